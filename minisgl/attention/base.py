@@ -1,0 +1,39 @@
+"""What every attention backend provides.
+
+A backend turns a batch into *metadata* (where each request's K/V lives, how long it is)
+before the forward, and uses it inside every layer's attention. Keeping the metadata in
+one object, built once per batch, is what later lets a CUDA graph read it from fixed
+buffers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+
+
+class BaseAttnMetadata(ABC):
+    @abstractmethod
+    def get_last_indices(self) -> torch.Tensor:
+        """Index of each request's last new token in the flattened token dimension."""
+
+
+class BaseAttnBackend(ABC):
+    @abstractmethod
+    def prepare_metadata(self, batch: Batch) -> None:
+        """Build `batch.attn_metadata` from the batch's requests (before the forward)."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        """Store the new tokens' k/v into the KV pool, then attend q over each request's K/V.
+
+        q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim].
+        Returns [tokens, q_heads, head_dim].
+        """

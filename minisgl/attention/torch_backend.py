@@ -1,0 +1,101 @@
+"""The reference attention backend: plain PyTorch, any device, written to be read.
+
+Every other backend is checked against this one. It gathers each request's K/V from the
+pool through the page table and runs scaled-dot-product attention with a causal mask
+that accounts for the cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+    from minisgl.kvcache.mha_pool import MHAKVCache
+
+
+@dataclass
+class TorchAttnMetadata(BaseAttnMetadata):
+    cu_seqlens_q: torch.Tensor  # [bs + 1] int32: request i's new tokens are q[cu[i]:cu[i+1]]
+    cache_seqlens: torch.Tensor  # [bs] int32: K/V length of request i, new tokens included
+    page_table: torch.Tensor  # [bs, >= max(cache_seqlens)] int32: KV slot of each position
+    max_seqlen_q: int
+
+    def get_last_indices(self) -> torch.Tensor:
+        return self.cu_seqlens_q[1:] - 1
+
+
+class TorchAttnBackend(BaseAttnBackend):
+    def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
+        self.kv_cache = kv_cache
+        self.page_table = page_table  # the engine's [rows, max positions] table
+        self.scale = scale
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.padded_reqs
+        device = self.page_table.device
+        extend_lens = [req.extend_len for req in reqs]
+        seq_lens = [req.device_len for req in reqs]
+        cu_seqlens_q = torch.tensor([0, *extend_lens], dtype=torch.int32).cumsum(0)
+        rows = torch.tensor([req.table_idx for req in reqs], dtype=torch.int64, device=device)
+        batch.attn_metadata = TorchAttnMetadata(
+            cu_seqlens_q=cu_seqlens_q.to(torch.int32).to(device, non_blocking=True),
+            cache_seqlens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            page_table=self.page_table[rows, : max(seq_lens)],
+            max_seqlen_q=max(extend_lens),
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        md = batch.attn_metadata
+        assert isinstance(md, TorchAttnMetadata)
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        if md.max_seqlen_q == 1:
+            return self._decode(q, k_cache, v_cache, md)
+        return self._extend(q, k_cache, v_cache, md)
+
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: TorchAttnMetadata
+    ) -> torch.Tensor:
+        # One query per request: pad every request's K/V to the longest and mask the rest,
+        # so the whole batch is one attention call.
+        max_len = int(md.cache_seqlens.max().item())  # a host read: why graphs need other backends
+        slots = md.page_table[:, :max_len].long()  # [bs, L]
+        keys = k_cache[slots].transpose(1, 2)  # [bs, kv_heads, L, head_dim]
+        values = v_cache[slots].transpose(1, 2)
+        positions = torch.arange(max_len, device=q.device)
+        mask = (positions[None, :] < md.cache_seqlens[:, None])[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+        )
+        return out[:, :, 0, :]
+
+    def _extend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: TorchAttnMetadata
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        cu = md.cu_seqlens_q.tolist()
+        for i, seq_len in enumerate(md.cache_seqlens.tolist()):
+            start, end = cu[i], cu[i + 1]
+            if start == end:
+                continue
+            slots = md.page_table[i, :seq_len].long()
+            keys = k_cache[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            values = v_cache[slots].transpose(0, 1)
+            # New token j sits at position seq_len - n + j and sees every position up to it.
+            n = end - start
+            q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            out[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), keys, values, attn_mask=mask,
+                scale=self.scale, enable_gqa=True,
+            ).transpose(0, 1)
+        return out

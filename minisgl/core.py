@@ -1,0 +1,176 @@
+"""The nouns every other module speaks: SamplingParams, Req, Batch, and the forward Context.
+
+A `Req` is one sequence living in the engine; a `Batch` is the requests that run in one
+forward; the `Context` is a process-wide slot holding the batch being computed, so that a
+layer deep inside the model can find its positions and attention metadata without every
+`forward` in between passing them along.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+    from minisgl.kvcache.mha_pool import MHAKVCache
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 (or top_k 1) means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = -1  # -1: no limit
+    top_p: float = 1.0
+    max_tokens: int = 1024
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None  # same seed, same prompt -> same tokens, whatever the batch
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit) or >= 1, got {self.top_k}")
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+class Req:
+    """One sequence. Its KV lives in pages recorded in row `table_idx` of the page table.
+
+    Lengths, all counted in tokens from the start of the prompt:
+    - `cached_len`: tokens whose K/V is already in the KV pool;
+    - `device_len`: tokens whose K/V will be in the pool once the scheduled forward is done,
+      so the next forward computes positions [cached_len, device_len);
+    - `max_device_len`: prompt plus the most tokens the request may generate.
+    """
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        table_idx: int,
+        cached_len: int,
+        output_len: int,
+        uid: int,
+        sampling_params: SamplingParams,
+    ) -> None:
+        assert input_ids.dim() == 1 and input_ids.device.type == "cpu"
+        self.input_ids = input_ids.to(torch.int32)  # host copy: prompt + tokens generated so far
+        self.table_idx = table_idx
+        self.cached_len = cached_len
+        self.device_len = len(input_ids)
+        self.max_device_len = len(input_ids) + output_len
+        self.uid = uid
+        self.sampling_params = sampling_params
+        # Unseeded requests get a random seed of their own: sampling is always seed-driven.
+        seed = sampling_params.seed
+        self.seed = random.getrandbits(63) if seed is None else seed
+
+    @property
+    def extend_len(self) -> int:
+        return self.device_len - self.cached_len
+
+    @property
+    def remain_len(self) -> int:
+        return self.max_device_len - self.device_len
+
+    def complete_one(self) -> None:
+        """The forward finished: its tokens are cached, and one new token joins the sequence."""
+        self.cached_len = self.device_len
+        self.device_len += 1
+
+    def append_host(self, token: int) -> None:
+        self.input_ids = torch.cat([self.input_ids, torch.tensor([token], dtype=torch.int32)])
+
+    def __repr__(self) -> str:
+        return (
+            f"Req(uid={self.uid}, row={self.table_idx}, cached={self.cached_len}, "
+            f"device={self.device_len}, max={self.max_device_len})"
+        )
+
+
+class Batch:
+    """The requests of one forward, all in one phase, and the tensors that feed it.
+
+    `padded_reqs` is `reqs` plus dummy requests that round the batch up to a captured
+    CUDA-graph size; the device tensors (input_ids, positions, out_loc, metadata) cover
+    the padded batch, and only the first `size` rows of the output are real.
+    """
+
+    def __init__(self, reqs: list[Req], phase: Literal["prefill", "decode"]) -> None:
+        self.reqs = reqs
+        self.phase = phase
+        self.padded_reqs = reqs
+        self.input_ids: torch.Tensor  # [num_tokens] int32, device
+        self.positions: torch.Tensor  # [num_tokens] int32, device
+        self.out_loc: torch.Tensor  # [num_tokens] int32, device: KV slot of each new token
+        self.attn_metadata: BaseAttnMetadata
+
+    @property
+    def size(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def padded_size(self) -> int:
+        return len(self.padded_reqs)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+
+class Context:
+    """Process-wide state of the running forward: the KV pool, the attention backend, the batch."""
+
+    def __init__(self, page_size: int, kv_cache: MHAKVCache, attn_backend: BaseAttnBackend) -> None:
+        self.page_size = page_size
+        self.kv_cache = kv_cache
+        self.attn_backend = attn_backend
+        self._batch: Batch | None = None
+
+    @property
+    def batch(self) -> Batch:
+        assert self._batch is not None, "no batch: call the model inside ctx.forward_batch(batch)"
+        return self._batch
+
+    @contextmanager
+    def forward_batch(self, batch: Batch) -> Iterator[None]:
+        assert self._batch is None, "forward_batch does not nest"
+        self._batch = batch
+        try:
+            yield
+        finally:
+            self._batch = None
+
+
+_GLOBAL_CTX: Context | None = None
+
+
+def set_global_ctx(ctx: Context | None) -> None:
+    global _GLOBAL_CTX
+    _GLOBAL_CTX = ctx
+
+
+def get_global_ctx() -> Context:
+    assert _GLOBAL_CTX is not None, "no global Context: create an Engine first"
+    return _GLOBAL_CTX
+

@@ -1,0 +1,33 @@
+"""EngineConfig: what to load, where, and how big the KV cache may be."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    dtype: torch.dtype | None = None  # None: the checkpoint's dtype (bf16 when it names none)
+    device: str = "auto"  # "auto" picks CUDA when present
+    max_running_req: int = 256
+    num_page_override: int | None = None  # KV pages; None sizes the pool from a memory budget
+    max_seq_len_override: int | None = None  # None: the model's context length
+    page_size: int = 1
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+        if self.max_running_req < 1:
+            raise ValueError(f"max_running_req must be >= 1, got {self.max_running_req}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_page_override is not None and self.num_page_override < 1:
+            raise ValueError(f"num_page_override must be >= 1, got {self.num_page_override}")
+        if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
+            raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
+        if self.attention_backend not in ("auto", "torch"):
+            raise ValueError(f"unknown attention backend {self.attention_backend!r} (auto, torch)")

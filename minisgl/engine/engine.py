@@ -1,0 +1,176 @@
+"""The Engine: a model, its paged KV pool, an attention backend and a sampler on one device.
+
+It knows nothing of scheduling. Given a batch whose requests already own KV pages (rows of
+the page table filled in) and whose tokens are in the token pool, it builds the batch's
+device tensors, runs one forward and samples one token per request. The sampled tokens
+are written straight back into the token pool on the device, so the next step's inputs
+can be gathered without waiting for the host to see them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.sample import prepare_sampling, sample
+from minisgl.env import ENV
+from minisgl.kvcache.mha_pool import MHAKVCache
+from minisgl.models.config import ModelConfig
+from minisgl.models.register import create_model
+from minisgl.models.weight import load_weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardOutput:
+    next_tokens: torch.Tensor  # [bs] int32 on the device
+    next_tokens_cpu: torch.Tensor  # [bs] int32 on the host, valid once `copy_done` is reached
+    copy_done: torch.cuda.Event | None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        start = time.perf_counter()
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.model_config = ModelConfig.from_path(config.model_path)
+        self.dtype = config.dtype or getattr(torch, self.model_config.dtype or "bfloat16")
+        self.max_seq_len = self._max_seq_len()
+        self.page_size = config.page_size
+
+        with torch.device(self.device), _default_dtype(self.dtype):
+            self.model = create_model(self.model_config)
+        load_weights(self.model, config.model_path)
+        self.model.requires_grad_(False)
+
+        mc = self.model_config
+        self.num_pages = config.num_page_override or self._pages_from_budget()
+        self.kv_cache = MHAKVCache(
+            mc.num_layers, self.num_pages, self.page_size, mc.num_kv_heads, mc.head_dim,
+            self.dtype, self.device,
+        )
+        # One row per running request plus one for the dummy request; one column per
+        # position of the longest sequence, plus one for the token sampled after it.
+        rows = config.max_running_req + 1
+        width = -(-(self.max_seq_len + 1) // self.page_size) * self.page_size
+        self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        self.token_pool = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
+        dummy_slots = self.kv_cache.dummy_page * self.page_size + torch.arange(width) % self.page_size
+        self.page_table[rows - 1] = dummy_slots.to(self.device, torch.int32)
+        self.dummy_req = Req(
+            torch.zeros(1, dtype=torch.int32), rows - 1, 0, 1, -1, SamplingParams()
+        )
+
+        self.attn_backend = self._create_backend()
+        self.ctx = Context(self.page_size, self.kv_cache, self.attn_backend)
+        set_global_ctx(self.ctx)
+        logger.info(
+            "engine ready in %.1fs: %s %s on %s, %d KV pages of %d tokens, max_seq_len %d",
+            time.perf_counter() - start, mc.architecture, self.dtype, self.device,
+            self.num_pages, self.page_size, self.max_seq_len,
+        )
+
+    def prepare_batch(self, batch: Batch) -> None:
+        """Gather the batch's input ids, positions and KV slots, and its attention metadata."""
+        reqs = batch.padded_reqs
+        positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
+        rows = torch.cat([torch.full((r.extend_len,), r.table_idx) for r in reqs])
+        positions = positions.to(self.device, non_blocking=True)
+        rows = rows.to(self.device, non_blocking=True)
+        batch.positions = positions.to(torch.int32)
+        batch.input_ids = self.token_pool[rows, positions]
+        batch.out_loc = self.page_table[rows, positions]
+        self.attn_backend.prepare_metadata(batch)
+
+    @torch.inference_mode()
+    def forward_batch(self, batch: Batch) -> ForwardOutput:
+        """One forward and one sampled token per request; each token also goes into the pool.
+
+        A request still in the middle of its prompt (a chunk that is not its last) gets a
+        token too, which is meaningless: it is written to the dummy row and ignored.
+        """
+        with self.ctx.forward_batch(batch):
+            logits = self.model.forward()[: batch.size]
+        args = prepare_sampling(batch.reqs, self.model_config.vocab_size, self.device)
+        next_tokens = sample(logits, args)
+        dummy_row = self.dummy_req.table_idx
+        # A request whose forward covered every token it has is done with its prompt.
+        rows, cols = zip(
+            *[(r.table_idx, r.device_len) if r.device_len >= len(r.input_ids) else (dummy_row, 0)
+              for r in batch.reqs]
+        )
+        where = torch.tensor([rows, cols]).to(self.device, non_blocking=True)
+        self.token_pool[where[0], where[1]] = next_tokens
+        return self._to_host(next_tokens)
+
+    def _to_host(self, next_tokens: torch.Tensor) -> ForwardOutput:
+        if self.device.type != "cuda":
+            return ForwardOutput(next_tokens, next_tokens, None)
+        host = torch.empty(next_tokens.shape, dtype=torch.int32, pin_memory=True)
+        host.copy_(next_tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return ForwardOutput(next_tokens, host, event)
+
+    def _max_seq_len(self) -> int:
+        mc, override = self.model_config, self.config.max_seq_len_override
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < limit:
+            logger.info("context capped at the sliding window, %d tokens", mc.sliding_window)
+            limit = mc.sliding_window
+        if override is not None and override > limit:
+            raise ValueError(f"max_seq_len_override {override} exceeds the model's context {limit}")
+        return override or limit
+
+    def _pages_from_budget(self) -> int:
+        mc = self.model_config
+        per_page = MHAKVCache.bytes_per_page(
+            mc.num_layers, self.page_size, mc.num_kv_heads, mc.head_dim, self.dtype
+        )
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * ENV.MEMORY_FRACTION.value)
+        else:
+            budget = ENV.CPU_KV_CACHE_MB.value * 2**20
+        # More pages than every row filled to the brim cannot be used.
+        useful = self.config.max_running_req * -(-self.max_seq_len // self.page_size)
+        pages = min(budget // per_page, useful)
+        if pages < 1:
+            raise MemoryError(f"no room for a single KV page ({per_page} bytes) in {budget} bytes")
+        return pages
+
+    def _create_backend(self) -> BaseAttnBackend:
+        scale = self.model_config.head_dim**-0.5
+        return TorchAttnBackend(self.kv_cache, self.page_table, scale)
+
+    def shutdown(self) -> None:
+        set_global_ctx(None)
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return device
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)

@@ -1,0 +1,100 @@
+"""Turning a batch of logits into next tokens: greedy, temperature, top-k, top-p, seeds.
+
+Random sampling uses the Gumbel-max trick: adding Gumbel noise -log(-log(u)) to the
+logits and taking the argmax draws exactly from softmax(logits). The uniform numbers u
+come from a counter-based hash of (seed, position, token id) rather than from a stateful
+generator, so a request's draw depends only on its own seed and position: the same
+tokens whether it runs alone or in any batch, on any device, with no per-request loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Req
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class BatchSamplingArgs:
+    greedy: bool  # every request is greedy: argmax only, skip the rest
+    temperatures: torch.Tensor  # [bs, 1] fp32; greedy rows hold 1 (their tokens come from argmax)
+    is_greedy: torch.Tensor  # [bs] bool
+    top_k: torch.Tensor | None  # [bs] int64 (vocab size = no limit), None when no request limits
+    top_p: torch.Tensor | None  # [bs] fp32, None when every request has top_p == 1
+    seeds: torch.Tensor  # [bs] int64
+    positions: torch.Tensor  # [bs] int64: index of the token being drawn, part of the hash key
+
+
+def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> BatchSamplingArgs:
+    params = [req.sampling_params for req in reqs]
+    is_greedy = [p.is_greedy for p in params]
+
+    def put(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+    top_ps = [p.top_p for p in params]
+    return BatchSamplingArgs(
+        greedy=all(is_greedy),
+        temperatures=put([1.0 if g else p.temperature for g, p in zip(is_greedy, params)],
+                         torch.float32)[:, None],
+        is_greedy=put(is_greedy, torch.bool),
+        top_k=put(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
+        top_p=put(top_ps, torch.float32) if any(p < 1.0 for p in top_ps) else None,
+        seeds=put([req.seed for req in reqs], torch.int64),
+        positions=put([req.device_len for req in reqs], torch.int64),
+    )
+
+
+def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    """logits: [bs, vocab] fp32 -> next tokens [bs] int32."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if args.greedy:
+        return greedy_tokens.to(torch.int32)
+    logits = logits / args.temperatures
+    if args.top_k is not None:
+        logits = _mask_top_k(logits, args.top_k)
+    if args.top_p is not None:
+        logits = _mask_top_p(logits, args.top_p)
+    noise = gumbel_noise(args.seeds, args.positions, logits.size(-1))
+    sampled = (logits + noise).argmax(dim=-1)
+    return torch.where(args.is_greedy, greedy_tokens, sampled).to(torch.int32)
+
+
+def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    # The k-th largest value per row is the threshold; ties at it are kept.
+    sorted_logits = logits.sort(dim=-1, descending=True).values
+    kth = sorted_logits.gather(-1, (top_k - 1)[:, None])
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _mask_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    # Keep the smallest set of most likely tokens whose probability reaches top_p; a token is
+    # dropped when the tokens ranked above it already reach top_p, so the top one always stays.
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop_sorted = mass_above >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [bs, vocab], a pure function of (seed, position, token id)."""
+    token_ids = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
+    key = _hash32(_hash32((seeds ^ (seeds >> 32)) & _MASK32) ^ _hash32(positions & _MASK32))
+    bits = _hash32((key[:, None] + token_ids[None, :] * 0x9E3779B1) & _MASK32)
+    uniform = (bits.double() + 0.5) / 2.0**32  # strictly inside (0, 1)
+    return -torch.log(-torch.log(uniform)).float()
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    # An integer mixing function (xor-shift / multiply rounds) on 32-bit values held in
+    # int64; every product stays below 2**63, so nothing overflows.
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x

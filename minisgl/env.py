@@ -1,0 +1,48 @@
+"""ENV: the MINISGL_* environment knobs, read once and overridable in code.
+
+A knob is an object rather than a bare constant so that tests and examples can flip it
+(`ENV.DISABLE_OVERLAP_SCHEDULING.value = True`) and every reader sees the change.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T", bool, int, float, str)
+
+
+@dataclass
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    value: T
+
+    @classmethod
+    def read(cls, name: str, default: T) -> EnvVar[T]:
+        raw = os.environ.get(f"MINISGL_{name}")
+        if raw is None:
+            return cls(name, default, default)
+        if isinstance(default, bool):
+            if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+                raise ValueError(f"MINISGL_{name}={raw!r} is not a boolean (use 1 or 0)")
+            return cls(name, default, raw.lower() in ("1", "true", "yes", "on"))  # type: ignore[arg-type]
+        try:
+            return cls(name, default, type(default)(raw))
+        except ValueError as e:
+            raise ValueError(f"MINISGL_{name}={raw!r} is not a {type(default).__name__}") from e
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+
+class _Env:
+    def __init__(self) -> None:
+        # Fraction of free device memory the engine may use for weights + KV cache on CUDA.
+        self.MEMORY_FRACTION = EnvVar.read("MEMORY_FRACTION", 0.9)
+        # KV cache budget on CPU, in MiB, when no page count is given.
+        self.CPU_KV_CACHE_MB = EnvVar.read("CPU_KV_CACHE_MB", 512)
+
+
+ENV = _Env()

@@ -1,0 +1,56 @@
+"""The paged KV pool: every layer's keys and values for every cached token, in fixed pages.
+
+Storage is one tensor per K and V shaped [layers, pages + 1, page_size, kv_heads, head_dim].
+A token's place in it is its *slot*: page * page_size + offset. The extra last page is the
+dummy page: padding requests (CUDA-graph batches) write their K/V there, so they never
+touch a real request's cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class MHAKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
+        # zeros, not empty: attention may read (and mask) stale slots, which must not be NaN
+        self._k = torch.zeros(shape, dtype=dtype, device=device)
+        self._v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def dummy_page(self) -> int:
+        return self.num_pages
+
+    @property
+    def num_slots(self) -> int:
+        return (self.num_pages + 1) * self.page_size
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        """[slots, kv_heads, head_dim] view of one layer's keys."""
+        return self._k[layer_id].flatten(0, 1)
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        return self._v[layer_id].flatten(0, 1)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+        self.k_cache(layer_id)[out_loc] = k
+        self.v_cache(layer_id)[out_loc] = v
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * dtype.itemsize

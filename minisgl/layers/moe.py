@@ -1,0 +1,57 @@
+"""Mixture of experts: a router picks top-k expert MLPs per token and mixes their outputs.
+
+The experts' weights are stored stacked ([experts, out, in]) so that a token-grouped
+kernel could run them at once; this reference version loops over the experts that were
+actually chosen, each processing the tokens routed to it in one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.linear import Linear
+from minisgl.models.config import MoEConfig
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
+        self.gate = Linear(hidden_size, moe.num_experts)  # the router
+        self.experts = Experts(moe.num_experts, hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x), dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [tokens, top_k]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(x, experts, weights.to(x.dtype))
+
+
+class Experts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        # Sort the (token, slot) pairs by expert so each expert's tokens are contiguous.
+        flat_experts = experts.flatten()
+        order = flat_experts.argsort(stable=True)
+        tokens = order // experts.size(1)
+        counts = torch.bincount(flat_experts, minlength=self.gate_up_proj.size(0)).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            idx = order[start : start + count]
+            tok = tokens[start : start + count]
+            h = silu_and_mul(F.linear(x[tok], self.gate_up_proj[expert]))
+            h = F.linear(h, self.down_proj[expert]) * weights.flatten()[idx, None]
+            out.index_add_(0, tok, h)
+            start += count
+        return out

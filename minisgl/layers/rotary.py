@@ -1,0 +1,40 @@
+"""Rotary position embedding: rotate pairs of q/k channels by a position-dependent angle.
+
+The cos/sin table is computed once for every position up to the context length and shared
+by all layers, so a forward only gathers rows by position: no trigonometry per step, and
+nothing that reads positions on the host (which a CUDA graph could not do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+class RotaryEmbedding:
+    def __init__(self, head_dim: int, base: float, max_position: int, device: torch.device) -> None:
+        # fp32 tables whatever the model dtype, cast per use, as the reference does.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
+        inv_freq = 1.0 / (base**exponents)
+        positions = torch.arange(max_position, dtype=torch.float, device=device)
+        angles = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
+        self.cos, self.sin = angles.cos(), angles.sin()  # [max_position, head_dim]
+
+    def __call__(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+@functools.cache
+def get_rope(head_dim: int, base: float, max_position: int, device: torch.device) -> RotaryEmbedding:
+    return RotaryEmbedding(head_dim, base, max_position, device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)

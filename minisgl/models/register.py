@@ -1,0 +1,25 @@
+"""From an `architectures` name in config.json to the class that builds it."""
+
+from __future__ import annotations
+
+import importlib
+
+from minisgl.models.base import BaseLLMModel
+from minisgl.models.config import ModelConfig
+
+_MODELS = {
+    "LlamaForCausalLM": "minisgl.models.llama",
+    "Qwen2ForCausalLM": "minisgl.models.qwen2",
+    "Qwen3ForCausalLM": "minisgl.models.qwen3",
+    "Qwen3MoeForCausalLM": "minisgl.models.qwen3_moe",
+    "MistralForCausalLM": "minisgl.models.mistral",
+}
+
+
+def create_model(config: ModelConfig) -> BaseLLMModel:
+    module = _MODELS.get(config.architecture)
+    if module is None:
+        raise ValueError(
+            f"architecture {config.architecture!r} is not supported; supported: {sorted(_MODELS)}"
+        )
+    return getattr(importlib.import_module(module), config.architecture)(config)

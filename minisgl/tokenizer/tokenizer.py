@@ -1,0 +1,91 @@
+"""Text to token ids and back, and the chat template, from a model folder's own files.
+
+We read `tokenizer.json` with the `tokenizers` library (the Rust tokenizer that Hugging Face
+uses underneath) and render the chat template with Jinja2 the way Hugging Face does, so
+serving needs neither `transformers` nor a model hub.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as RustTokenizer
+
+
+class Tokenizer:
+    def __init__(self, model_path: str | Path) -> None:
+        path = Path(model_path)
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"{path / 'tokenizer.json'} not found")
+        self._tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        template_file = path / "chat_template.jinja"
+        template = template_file.read_text() if template_file.is_file() else None
+        self.chat_template: str | None = config.get("chat_template") or template
+        self.bos_token: str | None = _token_text(config.get("bos_token"))
+        self.eos_token: str | None = _token_text(config.get("eos_token"))
+        self.eos_token_ids = self._eos_ids(path)
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template: send plain completions instead")
+        return _compile(self.chat_template).render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        # generation_config may name several stop tokens (an int or a list).
+        ids: set[int] = set()
+        eos = _read_json(path / "generation_config.json").get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if self.eos_token is not None and (i := self._tok.token_to_id(self.eos_token)) is not None:
+            ids.add(i)
+        return ids
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(token: str | dict | None) -> str | None:
+    # tokenizer_config.json stores special tokens as strings or as {"content": ...}.
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def _raise(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+_TEMPLATES: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    # The environment chat templates are written for: sandboxed, blocks trimmed, plus the
+    # two helper functions templates call.
+    if source not in _TEMPLATES:
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
+                                                                  indent=indent)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        _TEMPLATES[source] = env.from_string(source)
+    return _TEMPLATES[source]

@@ -1,0 +1,114 @@
+"""Shared test helpers: model paths, Hugging Face references, and a bare engine driver."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.engine import Engine
+from minisgl.kvcache.allocator import PageAllocator, page_slots
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ROOT / "models"
+SMOL = MODELS / "SmolLM2-135M-Instruct"
+TINY = {name: MODELS / f"tiny-{name}" for name in ("llama", "qwen2", "qwen3", "qwen3-moe")}
+
+
+def need(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        pytest.fail(f"{path} is missing: run `make models`")
+    return path
+
+
+@functools.cache
+def hf_model(path: Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+@functools.cache
+def tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced logits [len(ids), vocab] in fp32 from Hugging Face."""
+    with torch.no_grad():
+        return hf_model(path)(torch.tensor([ids])).logits[0].float()
+
+
+def hf_greedy(path: Path, ids: list[int], max_new_tokens: int) -> list[int]:
+    model = hf_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(ids):].tolist()
+
+
+def make_engine(path: Path, **kw) -> Engine:
+    kw.setdefault("dtype", torch.float32)
+    kw.setdefault("device", "cpu")
+    kw.setdefault("num_page_override", 256)
+    kw.setdefault("max_running_req", 8)
+    return Engine(EngineConfig(str(path), **kw))
+
+
+class Driver:
+    """Runs a fixed set of requests to completion on a bare Engine: the smallest scheduler.
+
+    Each request gets a page-table row and, up front, every page it can ever need.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pages = PageAllocator(engine.num_pages)
+        self.owned: dict[int, list[int]] = {}
+
+    def add(self, ids: list[int], params: SamplingParams, row: int) -> Req:
+        e = self.engine
+        req = Req(torch.tensor(ids, dtype=torch.int32), row, 0, params.max_tokens, row, params)
+        pages = self.pages.alloc(-(-req.max_device_len // e.page_size))
+        self.owned[row] = pages
+        slots = page_slots(pages, e.page_size)
+        e.page_table[row, : len(slots)] = slots
+        e.token_pool[row, : len(ids)] = req.input_ids
+        return req
+
+    def release(self, req: Req) -> None:
+        self.pages.free(self.owned.pop(req.table_idx))
+
+    def step(self, reqs: list[Req], phase: str) -> list[int]:
+        batch = Batch(reqs, phase)  # type: ignore[arg-type]
+        self.engine.prepare_batch(batch)
+        out = self.engine.forward_batch(batch)
+        tokens = out.next_tokens_cpu.tolist()
+        for req, token in zip(reqs, tokens):
+            req.complete_one()
+            req.append_host(token)
+        return tokens
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        reqs = [self.add(ids, params, row) for row, ids in enumerate(prompts)]
+        outputs: list[list[int]] = [[] for _ in reqs]
+        running = list(range(len(reqs)))
+        phase = "prefill"
+        while running:
+            tokens = self.step([reqs[i] for i in running], phase)
+            for i, token in zip(running, tokens):
+                outputs[i].append(token)
+            for i in list(running):
+                if len(outputs[i]) >= params.max_tokens:
+                    running.remove(i)
+                    self.release(reqs[i])
+            phase = "decode"
+        return outputs
