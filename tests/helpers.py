@@ -8,10 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
+# >>> ch07 the engine driver
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.kvcache.allocator import PageAllocator, page_slots
+
+# <<< ch07
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"
@@ -46,15 +49,21 @@ def hf_logits(path: Path, ids: list[int]) -> torch.Tensor:
 
 
 def hf_greedy(path: Path, ids: list[int], max_new_tokens: int) -> list[int]:
+    return list(_hf_greedy(path, tuple(ids), max_new_tokens))
+
+
+@functools.cache
+def _hf_greedy(path: Path, ids: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
     model = hf_model(path)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
         )
-    return out[0, len(ids):].tolist()
+    return tuple(out[0, len(ids) :].tolist())
 
 
+# >>> ch07 the engine driver
 def make_engine(path: Path, **kw) -> Engine:
     kw.setdefault("dtype", torch.float32)
     kw.setdefault("device", "cpu")
@@ -112,3 +121,4 @@ class Driver:
                     self.release(reqs[i])
             phase = "decode"
         return outputs
+# <<< ch07

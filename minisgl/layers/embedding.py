@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.core import get_global_ctx
+from minisgl.core import get_global_ctx  # [ch04]
 
 
 class VocabEmbedding(nn.Module):
@@ -31,9 +31,11 @@ class LMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # >>> ch04 a batch knows where each request's last token is
         batch = get_global_ctx().batch
         if batch.is_prefill:
             hidden = hidden[batch.attn_metadata.get_last_indices()]
+        # <<< ch04
         return self.project(hidden)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
