@@ -15,15 +15,21 @@ MOE = "models/tiny-qwen3-moe"
 for path in (SMOL, MOE):
     c = ModelConfig.from_path(path)
     print(f"{path}: {c.architecture}")
-    print(f"  layers={c.num_layers} hidden={c.hidden_size} heads={c.num_heads} "
-          f"kv_heads={c.num_kv_heads} head_dim={c.head_dim} vocab={c.vocab_size}")
-    print(f"  rope_theta={c.rope_theta:g} eps={c.rms_norm_eps:g} tied={c.tie_word_embeddings} "
-          f"context={c.max_position_embeddings} dtype={c.dtype}")
+    print(
+        f"  layers={c.num_layers} hidden={c.hidden_size} heads={c.num_heads} "
+        f"kv_heads={c.num_kv_heads} head_dim={c.head_dim} vocab={c.vocab_size}"
+    )
+    print(
+        f"  rope_theta={c.rope_theta:g} eps={c.rms_norm_eps:g} tied={c.tie_word_embeddings} "
+        f"context={c.max_position_embeddings} dtype={c.dtype}"
+    )
     if c.moe is not None:
         m = c.moe
-        print(f"  moe: {m.num_experts} experts, top-{m.top_k}, expert width "
-              f"{m.intermediate_size}, norm_topk_prob={m.norm_topk_prob}, "
-              f"moe layers={[i for i in range(c.num_layers) if m.is_moe_layer(i)]}")
+        print(
+            f"  moe: {m.num_experts} experts, top-{m.top_k}, expert width "
+            f"{m.intermediate_size}, norm_topk_prob={m.norm_topk_prob}, "
+            f"moe layers={[i for i in range(c.num_layers) if m.is_moe_layer(i)]}"
+        )
 
 # 2. Text to ids and back, with our tokenizer and with transformers'.
 tok = Tokenizer(SMOL)
@@ -42,8 +48,10 @@ ours = tok.apply_chat_template(messages)
 theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 print(f"\nchat template renders:\n{ours}")
 print(f"eos token {tok.eos_token!r} -> ids {sorted(tok.eos_token_ids)}; vocab {tok.vocab_size}")
-two = messages + [{"role": "assistant", "content": "Saved keys and values."},
-                  {"role": "user", "content": "Why pages?"}]
+two = messages + [
+    {"role": "assistant", "content": "Saved keys and values."},
+    {"role": "user", "content": "Why pages?"},
+]
 for msgs in (messages, two):
     a = tok.apply_chat_template(msgs)
     b = hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)

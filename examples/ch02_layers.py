@@ -18,9 +18,14 @@ torch.manual_seed(0)
 c = ModelConfig.from_path("models/SmolLM2-135M-Instruct")  # real shapes, random weights
 H, T = c.hidden_size, 7  # hidden size, tokens
 hf_config = LlamaConfig(
-    hidden_size=H, intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads,
-    num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-    max_position_embeddings=c.max_position_embeddings, vocab_size=c.vocab_size,
+    hidden_size=H,
+    intermediate_size=c.intermediate_size,
+    num_attention_heads=c.num_heads,
+    num_key_value_heads=c.num_kv_heads,
+    head_dim=c.head_dim,
+    rms_norm_eps=c.rms_norm_eps,
+    max_position_embeddings=c.max_position_embeddings,
+    vocab_size=c.vocab_size,
     rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
 )
 results = {}

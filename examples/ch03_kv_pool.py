@@ -11,10 +11,14 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 LAYERS, PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM = 2, 8, 4, 2, 3
 pool = MHAKVCache(LAYERS, PAGES, PAGE_SIZE, KV_HEADS, HEAD_DIM, torch.float32, torch.device("cpu"))
 alloc = PageAllocator(PAGES)
-print(f"pool: {PAGES} pages of {PAGE_SIZE} tokens + dummy page {pool.dummy_page}, "
-      f"{pool.num_slots} slots; k_cache(0) is {tuple(pool.k_cache(0).shape)}")
-print(f"bytes per page (fp32): "
-      f"{MHAKVCache.bytes_per_page(LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM, torch.float32)}")
+print(
+    f"pool: {PAGES} pages of {PAGE_SIZE} tokens + dummy page {pool.dummy_page}, "
+    f"{pool.num_slots} slots; k_cache(0) is {tuple(pool.k_cache(0).shape)}"
+)
+print(
+    f"bytes per page (fp32): "
+    f"{MHAKVCache.bytes_per_page(LAYERS, PAGE_SIZE, KV_HEADS, HEAD_DIM, torch.float32)}"
+)
 
 # One page-table row per request; one column per token position, holding that token's slot.
 lengths = {"A": 6, "B": 9}
@@ -54,10 +58,14 @@ print("gathered K/V equal what was stored, for both requests and every layer")
 # Padding requests write into the dummy page; no real request can ever own it.
 dummy_slots = page_slots([pool.dummy_page], PAGE_SIZE)
 pool.store_kv(torch.ones(4, KV_HEADS, HEAD_DIM), torch.ones(4, KV_HEADS, HEAD_DIM), dummy_slots, 0)
-still = all(torch.equal(pool.k_cache(0)[page_table[r, :n].long()], kv[name][0, 0])
-            for r, (name, n) in enumerate(lengths.items()))
-print(f"dummy page {pool.dummy_page} = slots {dummy_slots.tolist()}; "
-      f"real requests untouched after writing there: {still}")
+still = all(
+    torch.equal(pool.k_cache(0)[page_table[r, :n].long()], kv[name][0, 0])
+    for r, (name, n) in enumerate(lengths.items())
+)
+print(
+    f"dummy page {pool.dummy_page} = slots {dummy_slots.tolist()}; "
+    f"real requests untouched after writing there: {still}"
+)
 assert still
 
 # Finishing request A returns its pages; the next request reuses them.

@@ -55,16 +55,19 @@ def ids(n: int) -> torch.Tensor:
 
 
 # B's first 6 tokens were computed earlier (think: a shared system prompt); store them alone.
-prefix = Req(ids(6), table_idx=1, cached_len=0, output_len=1, uid=1, sampling_params=SamplingParams())
+greedy = SamplingParams()
+prefix = Req(ids(6), table_idx=1, cached_len=0, output_len=1, uid=1, sampling_params=greedy)
 run([prefix], "prefill")
 # Prefill: A from scratch (5 tokens), B extends its cached prefix of 6 by 4 new tokens.
-a = Req(ids(5), table_idx=0, cached_len=0, output_len=1, uid=0, sampling_params=SamplingParams())
-b = Req(ids(10), table_idx=1, cached_len=6, output_len=1, uid=1, sampling_params=SamplingParams())
+a = Req(ids(5), table_idx=0, cached_len=0, output_len=1, uid=0, sampling_params=greedy)
+b = Req(ids(10), table_idx=1, cached_len=6, output_len=1, uid=1, sampling_params=greedy)
 md_batch = Batch([a, b], "prefill")
 backend.prepare_metadata(md_batch)
 md = md_batch.attn_metadata
-print(f"prefill metadata: cu_seqlens_q={md.cu_seqlens_q.tolist()} "
-      f"cache_seqlens={md.cache_seqlens.tolist()} last token indices={md.get_last_indices().tolist()}")
+print(
+    f"prefill metadata: cu_seqlens_q={md.cu_seqlens_q.tolist()} "
+    f"cache_seqlens={md.cache_seqlens.tolist()} last={md.get_last_indices().tolist()}"
+)
 out_prefill = run([a, b], "prefill")
 # Decode: each request's next token, one query each, attending over all its pages.
 for r in (a, b):

@@ -31,8 +31,15 @@ def prefill(path: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     # By hand, what the engine will do: a pool with enough pages, one page-table row,
     # the reference backend, and the context the layers read the batch from.
     num_pages = -(-len(ids) // PAGE_SIZE)
-    pool = MHAKVCache(config.num_layers, num_pages, PAGE_SIZE, config.num_kv_heads,
-                      config.head_dim, torch.float32, torch.device("cpu"))
+    pool = MHAKVCache(
+        config.num_layers,
+        num_pages,
+        PAGE_SIZE,
+        config.num_kv_heads,
+        config.head_dim,
+        torch.float32,
+        torch.device("cpu"),
+    )
     page_table = torch.zeros((1, num_pages * PAGE_SIZE), dtype=torch.int32)
     page_table[0] = page_slots(list(range(num_pages)), PAGE_SIZE)
     backend = TorchAttnBackend(pool, page_table, scale=config.head_dim**-0.5)
@@ -69,8 +76,10 @@ for name in MODELS:
     worst = max(worst, d_last, d_all)
     nxt = int(last[0].argmax())
     same = nxt == int(ref[-1].argmax())
-    print(f"{name:<22} {type(hf).__name__:<20} {d_last:>15.1e} {d_all:>8.1e}  "
-          f"{nxt} {tok.decode([nxt])!r} ({same})")
+    print(
+        f"{name:<22} {type(hf).__name__:<20} {d_last:>15.1e} {d_all:>8.1e}  "
+        f"{nxt} {tok.decode([nxt])!r} ({same})"
+    )
     if not same:
         raise SystemExit(f"{name}: next token differs from transformers")
 if worst > 1e-3:

@@ -37,7 +37,7 @@ mixed = {
 }
 tokens = draw([req(p, uid=i) for i, p in enumerate(mixed.values())])
 print("\none mixed batch:")
-for name, t in zip(mixed, tokens):
+for name, t in zip(mixed, tokens, strict=True):
     print(f"  {name:<24} -> token {t}")
 
 # 2. A seeded request draws the same token alone, or in any batch at any row.

@@ -18,12 +18,21 @@ MODEL = "models/SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Three primary colors are red,"]
 NEW_TOKENS = 6
 
-config = EngineConfig(MODEL, dtype=torch.float32, device="cpu", max_running_req=4,
-                      num_page_override=32, max_seq_len_override=64, page_size=4)
+config = EngineConfig(
+    MODEL,
+    dtype=torch.float32,
+    device="cpu",
+    max_running_req=4,
+    num_page_override=32,
+    max_seq_len_override=64,
+    page_size=4,
+)
 engine = Engine(config)
-print(f"engine: {engine.model_config.architecture} {engine.dtype} on {engine.device}, "
-      f"{engine.num_pages} pages of {engine.page_size}; page table and token pool "
-      f"{tuple(engine.page_table.shape)}, dummy request in row {engine.dummy_req.table_idx}")
+print(
+    f"engine: {engine.model_config.architecture} {engine.dtype} on {engine.device}, "
+    f"{engine.num_pages} pages of {engine.page_size}; page table and token pool "
+    f"{tuple(engine.page_table.shape)}, dummy request in row {engine.dummy_req.table_idx}"
+)
 
 # The scheduler's job, by hand: a row per request, pages for prompt + new tokens, the prompt
 # written into the request's row of the token pool.
@@ -48,7 +57,7 @@ for step in range(NEW_TOKENS):
     if step < 2:
         print(f"{phase}: {len(batch.input_ids)} tokens, positions {batch.positions.tolist()}")
     tokens = engine.forward_batch(batch).next_tokens_cpu.tolist()
-    for req, out, t in zip(reqs, outputs, tokens):
+    for req, out, t in zip(reqs, outputs, tokens, strict=True):
         req.complete_one()  # its K/V is cached now; the sampled token joins the sequence
         req.append_host(t)
         out.append(t)
@@ -60,11 +69,17 @@ engine.shutdown()
 hf_logging.disable_progress_bar()
 hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
 ok = True
-for text, out in zip(PROMPTS, outputs):
+for text, out in zip(PROMPTS, outputs, strict=True):
     ids = torch.tensor([tok.encode(text)])
     with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                          do_sample=False, eos_token_id=None, pad_token_id=0)[0, ids.size(1):]
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, ids.size(1) :]
     same = out == ref.tolist()
     ok &= same
     print(f"{text!r} -> {tok.decode(out)!r} {out} same as HF: {same}")

@@ -20,7 +20,9 @@ MODEL = "models/SmolLM2-135M-Instruct"
 MAX_TOKENS = 24
 
 
-def generate(engine: Engine, tok: Tokenizer, prompts: list[str], max_tokens: int) -> list[list[int]]:
+def generate(
+    engine: Engine, tok: Tokenizer, prompts: list[str], max_tokens: int
+) -> list[list[int]]:
     pages = PageAllocator(engine.num_pages)
     params = SamplingParams(max_tokens=max_tokens)  # greedy
     reqs, owned = [], []
@@ -38,7 +40,7 @@ def generate(engine: Engine, tok: Tokenizer, prompts: list[str], max_tokens: int
         batch = Batch(running, phase)
         engine.prepare_batch(batch)
         tokens = engine.forward_batch(batch).next_tokens_cpu.tolist()
-        for req, t in zip(list(running), tokens):
+        for req, t in zip(list(running), tokens, strict=True):
             req.complete_one()
             req.append_host(t)
             outputs[req.uid].append(t)
@@ -53,30 +55,46 @@ def generate(engine: Engine, tok: Tokenizer, prompts: list[str], max_tokens: int
 tok = Tokenizer(MODEL)
 chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
 prompts = [chat, "The three laws of motion are", "def fibonacci(n):"]
-engine = Engine(EngineConfig(MODEL, dtype=torch.float32, device="cpu", max_running_req=4,
-                             num_page_override=64, max_seq_len_override=128, page_size=4))
+engine = Engine(
+    EngineConfig(
+        MODEL,
+        dtype=torch.float32,
+        device="cpu",
+        max_running_req=4,
+        num_page_override=64,
+        max_seq_len_override=128,
+        page_size=4,
+    )
+)
 generate(engine, tok, prompts[1:2], 2)  # warm-up
 start = time.perf_counter()
 outputs = generate(engine, tok, prompts, MAX_TOKENS)
 seconds = time.perf_counter() - start
 engine.shutdown()
-for text, out in zip(prompts, outputs):
+for text, out in zip(prompts, outputs, strict=True):
     end = "EOS" if out[-1] in tok.eos_token_ids else "max_tokens"
     print(f"--- prompt:\n{text}\n--- completion ({len(out)} tokens, stopped at {end}):")
     print(tok.decode(out))
 total = sum(len(out) for out in outputs)
-print(f"---\n{total} tokens in {seconds:.2f}s: {total / seconds:.1f} tokens/s (batch of "
-      f"{len(prompts)}, fp32 on CPU)")
+print(
+    f"---\n{total} tokens in {seconds:.2f}s: {total / seconds:.1f} tokens/s (batch of "
+    f"{len(prompts)}, fp32 on CPU)"
+)
 
 # The reference: transformers' greedy generate with the same stop tokens, one prompt at a time.
 hf_logging.disable_progress_bar()
 hf = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-for i, (text, out) in enumerate(zip(prompts, outputs)):
+for i, (text, out) in enumerate(zip(prompts, outputs, strict=True)):
     ids = torch.tensor([tok.encode(text)])
     with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                          do_sample=False, eos_token_id=sorted(tok.eos_token_ids),
-                          pad_token_id=0)[0, ids.size(1):].tolist()
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=sorted(tok.eos_token_ids),
+            pad_token_id=0,
+        )[0, ids.size(1) :].tolist()
     print(f"prompt {i}: same tokens as HF generate: {out == ref}")
     if out != ref:
         raise SystemExit(f"prompt {i}: ours {out}\n  HF {ref}")

@@ -12,7 +12,7 @@ import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -80,6 +80,12 @@ class Req:
         # Unseeded requests get a random seed of their own: sampling is always seed-driven.
         seed = sampling_params.seed
         self.seed = random.getrandbits(63) if seed is None else seed
+        # >>> ch09 what the scheduler's cache manager tracks
+        self.cache_handle: Any = None  # the locked prefix-cache node this row starts with
+        self.shared_len = 0  # leading tokens whose pages belong to the prefix cache
+        self.alloc_len = 0  # tokens the row has pages for
+        self.cached_tokens = 0  # prompt tokens that came from the prefix cache
+        # <<< ch09
 
     @property
     def extend_len(self) -> int:

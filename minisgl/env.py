@@ -43,6 +43,10 @@ class _Env:
         self.MEMORY_FRACTION = EnvVar.read("MEMORY_FRACTION", 0.9)
         # KV cache budget on CPU, in MiB, when no page count is given.
         self.CPU_KV_CACHE_MB = EnvVar.read("CPU_KV_CACHE_MB", 512)
+        # >>> ch12
+        # Process each batch's results before launching the next (easier to debug, slower).
+        self.DISABLE_OVERLAP_SCHEDULING = EnvVar.read("DISABLE_OVERLAP_SCHEDULING", False)
+        # <<< ch12
 
 
 ENV = _Env()

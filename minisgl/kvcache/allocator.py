@@ -16,6 +16,9 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
+    def free_pages(self) -> list[int]:
+        return list(self._free)
+
     def alloc(self, n: int) -> list[int]:
         if n > len(self._free):
             raise MemoryError(f"asked for {n} KV pages, only {len(self._free)} free")

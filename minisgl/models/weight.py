@@ -60,11 +60,15 @@ def convert_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         want = 3 if ".qkv_proj." in name else 2
         if len(parts) != want:
             raise ValueError(f"checkpoint has only some of the pieces of {name}: {sorted(parts)}")
-        out[name] = torch.cat([parts[i] for i in range(want)], dim=0)
+        out[name] = _cat(name, [parts[i] for i in range(want)])
     for prefix, by_expert in experts.items():
         ids = range(len(by_expert))
         if sorted(by_expert) != list(ids):
             raise ValueError(f"{prefix}: expert ids {sorted(by_expert)} are not 0..n-1")
+        for e in ids:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if proj not in by_expert[e]:
+                    raise ValueError(f"checkpoint is missing {prefix}.{e}.{proj}.weight")
         out[f"{prefix}.gate_up_proj"] = torch.stack(
             [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids]
         )
@@ -94,6 +98,13 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                     f"{tuple(param.shape)}"
                 )
             param.copy_(tensor)
+
+
+def _cat(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    if len({tuple(p.shape[1:]) for p in parts}) > 1:
+        shapes = [tuple(p.shape) for p in parts]
+        raise ValueError(f"{name}: the checkpoint pieces merged into it disagree in shape {shapes}")
+    return torch.cat(parts, dim=0)
 
 
 def _show(names: list[str], limit: int = 8) -> str:

@@ -1,0 +1,81 @@
+"""LLM: the offline API. Give it prompts, get completions; the scheduler does the rest."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from minisgl.core import SamplingParams
+from minisgl.message.backend import UserMsg
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.tokenizer.tokenizer import Tokenizer
+
+
+class LLM:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: torch.dtype | None = None,
+        device: str = "auto",
+        **kwargs: Any,  # any other SchedulerConfig field: max_running_req, page_size, ...
+    ) -> None:
+        self.tokenizer = Tokenizer(model_path)
+        config = SchedulerConfig(model_path, dtype=dtype, device=device, **kwargs)
+        self.scheduler = Scheduler(config, self.tokenizer.eos_token_ids)
+        self.engine = self.scheduler.engine
+        self._uids = itertools.count()
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict[str, Any]]:
+        """Complete every prompt; returns [{"text", "token_ids", "finish_reason", ...}] in order."""
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        msgs = [
+            UserMsg(next(self._uids), self._token_ids(p), sp) for p, sp in zip(prompts, params)
+        ]
+        for i, msg in enumerate(msgs):  # check them all before any starts: all or nothing
+            try:
+                self.scheduler.validate(msg)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        for msg in msgs:
+            self.scheduler.add_request(msg)
+
+        results = {m.uid: {"token_ids": [], "finish_reason": None, "cached_tokens": 0} for m in msgs}
+        bar = tqdm(total=len(msgs), desc="generate", disable=not use_tqdm)
+        remaining = len(msgs)
+        while remaining:
+            for out in self.scheduler.step():
+                result = results[out.uid]
+                result["token_ids"].append(out.token)
+                result["cached_tokens"] = out.cached_tokens
+                if out.finished:
+                    result["finish_reason"] = out.finish_reason
+                    remaining -= 1
+                    bar.update()
+        bar.close()
+        outputs = [results[m.uid] for m in msgs]
+        for out in outputs:
+            out["text"] = self.tokenizer.decode(out["token_ids"])
+        return outputs
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise TypeError("a prompt is a string or a list of token ids")
+        return list(prompt)
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()

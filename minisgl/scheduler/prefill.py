@@ -1,0 +1,113 @@
+"""The prefill manager: which waiting requests start now, and how much of each prompt.
+
+A prefill batch holds about `max_prefill_length` new tokens. Requests are admitted in
+arrival order while there is a free row, enough KV pages, and budget left; a prompt that
+does not fit the remaining budget is cut, and its next chunk leads the next prefill.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.table import TableManager
+
+# A waiting request that shares at least this many not-yet-cached prompt tokens with one
+# already in the batch waits one round, then finds them in the prefix cache.
+_SHARED_PREFIX_TO_WAIT = 32
+
+
+@dataclass
+class PendingReq:
+    uid: int
+    input_ids: torch.Tensor  # int32, host: the prompt (or, after preemption, prompt + output)
+    sampling_params: SamplingParams
+    max_device_len: int  # prompt + max_tokens, capped by the context
+    first_admission: bool = True
+
+
+class PrefillManager:
+    def __init__(self, cache: CacheManager, table: TableManager, max_prefill_length: int) -> None:
+        self.cache, self.table = cache, table
+        self.max_prefill_length = max_prefill_length
+        self.pending: deque[PendingReq] = deque()
+        self.chunked: Req | None = None  # a request part-way through its prompt
+
+    def add(self, pending: PendingReq, front: bool = False) -> None:
+        if front:
+            self.pending.appendleft(pending)
+        else:
+            self.pending.append(pending)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending) or self.chunked is not None
+
+    def schedule(self, reserve_pages: int) -> tuple[Batch, list[Req]] | None:
+        """The next prefill batch and its newly admitted requests, or None.
+
+        `reserve_pages` is kept free for the running decode requests' next step.
+        """
+        budget = self.max_prefill_length
+        reqs: list[Req] = []
+        admitted: list[Req] = []
+        # >>> ch10 a chunked prompt goes on first
+        if self.chunked is not None:
+            req = self.chunked
+            n = min(len(req.input_ids) - req.cached_len, budget)
+            if self.cache.pages_needed(req, req.cached_len + n) > self.cache.available_pages:
+                return None  # the decode side must free pages first
+            req.device_len = req.cached_len + n
+            self.cache.allocate(req, req.device_len)
+            reqs.append(req)
+            budget -= n
+        # <<< ch10
+        for pending in list(self.pending):
+            if budget == 0 or self.table.available == 0:
+                break
+            if self._shares_uncached_prefix(pending, reqs):
+                continue
+            req = self._admit(pending, budget, reserve_pages)
+            if req is None:
+                break
+            self.pending.remove(pending)
+            reqs.append(req)
+            admitted.append(req)
+            budget = max(0, budget - req.extend_len)
+        self.chunked = next((r for r in reqs if r.device_len < len(r.input_ids)), None)  # [ch10]
+        return (Batch(reqs, "prefill"), admitted) if reqs else None
+
+    def _admit(self, pending: PendingReq, budget: int, reserve_pages: int) -> Req | None:
+        """Start `pending` now, or return None if the KV cache cannot take it yet."""
+        match = self.cache.match(pending.input_ids)
+        n = len(pending.input_ids) - match.length
+        n = min(n, budget)  # [ch10] cut the prompt to the budget; the rest comes next round
+        pages = -(-(match.length + n) // self.cache.page_size) - match.length // self.cache.page_size
+        self.cache.cache.lock(match.node)  # so the check below does not count it as evictable
+        fits = pages + reserve_pages <= self.cache.available_pages
+        self.cache.cache.unlock(match.node)
+        if not fits:
+            return None
+        row = self.table.alloc(pending.input_ids)
+        output_len = pending.max_device_len - len(pending.input_ids)
+        req = Req(pending.input_ids, row, match.length, output_len, pending.uid,
+                  pending.sampling_params)
+        req.cached_tokens = match.length if pending.first_admission else 0
+        self.cache.attach(req, match)
+        req.device_len = match.length + n
+        self.cache.allocate(req, req.device_len)
+        return req
+
+    def _shares_uncached_prefix(self, pending: PendingReq, batch: list[Req]) -> bool:
+        ids = pending.input_ids
+        for req in batch:
+            n = min(len(ids), len(req.input_ids))
+            diff = (ids[:n] != req.input_ids[:n]).nonzero()
+            common = int(diff[0]) if len(diff) else n
+            if common - req.cached_len >= _SHARED_PREFIX_TO_WAIT:
+                return True
+        return False

@@ -1,0 +1,209 @@
+"""The scheduler: continuous batching over one Engine.
+
+Each step picks a batch (a prefill if any request waits and fits, else one decode step for
+every running request), launches its forward, and turns the sampled tokens into messages.
+Requests join and leave between any two steps: that is continuous batching.
+
+With overlap scheduling the step launches batch N+1 *before* it reads batch N's tokens,
+so the host's bookkeeping for N (detokenizing, finishing, freeing) runs while the device
+computes N+1. The host state is then one step behind: a request that ends at N may sit
+in batch N+1, whose extra token is dropped, never sent and never freed twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import Batch, Req
+from minisgl.engine.engine import Engine, ForwardOutput
+from minisgl.env import ENV  # [ch12]
+from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
+from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.prefill import PendingReq, PrefillManager
+from minisgl.scheduler.table import TableManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    batch: Batch
+    output: ForwardOutput
+    emits: list[bool]  # which requests' tokens are real (not a mid-prompt chunk)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, eos_token_ids: set[int]) -> None:
+        self.engine = engine = Engine(config)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.table = TableManager(config.max_running_req, engine.token_pool)
+        self.cache = CacheManager(engine.num_pages, engine.page_size, engine.page_table,
+                                  config.cache_type)
+        self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length)
+        self.decode = DecodeManager()
+        self.reqs: dict[int, Req] = {}  # admitted and not finished, by uid
+        self.overlap = not ENV.DISABLE_OVERLAP_SCHEDULING.value  # [ch12]
+        self._in_flight: InFlight | None = None
+        self._drained: list[TokenMsg] = []  # results processed early, to hand out next
+
+    # ---- requests in ----------------------------------------------------------------------
+
+    def validate(self, msg: UserMsg) -> None:
+        """Raise ValueError if the request can never run; nothing is changed."""
+        n, limit = len(msg.input_ids), self.engine.max_seq_len
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= limit:
+            raise ValueError(
+                f"prompt has {n} tokens; the context is {limit} tokens, which must also hold "
+                "at least one generated token"
+            )
+        vocab = self.engine.model_config.vocab_size
+        if not all(0 <= t < vocab for t in msg.input_ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        pages = -(-(n + 1) // self.engine.page_size)
+        if pages > self.engine.num_pages:
+            raise ValueError(
+                f"prompt has {n} tokens; the KV cache holds only "
+                f"{self.engine.num_pages * self.engine.page_size}"
+            )
+
+    def add_request(self, msg: UserMsg) -> None:
+        self.validate(msg)
+        max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, self.engine.max_seq_len)
+        ids = torch.tensor(msg.input_ids, dtype=torch.int32)
+        self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len))
+
+    def abort(self, msg: AbortMsg) -> None:
+        for pending in list(self.prefill.pending):
+            if pending.uid == msg.uid:
+                self.prefill.pending.remove(pending)
+        req = self.reqs.get(msg.uid)
+        if req is not None:
+            self._finish(req)
+
+    @property
+    def has_work(self) -> bool:
+        return self.prefill.has_work or self.decode.has_work or self._in_flight is not None
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def step(self) -> list[TokenMsg]:
+        batch = self._schedule()
+        launched = self._launch(batch) if batch is not None else None
+        messages, self._drained = self._drained, []
+        # >>> ch12 overlap: launch N+1, then process N while the device computes
+        if self.overlap:
+            if self._in_flight is not None:
+                messages += self._process(self._in_flight)
+            self._in_flight = launched
+            return messages
+        # <<< ch12
+        return messages + (self._process(launched) if launched else [])
+
+    def _schedule(self) -> Batch | None:
+        reserve = len(self.decode.running)
+        if self.prefill.has_work and (scheduled := self.prefill.schedule(reserve)) is not None:
+            batch, admitted = scheduled
+            for req in admitted:
+                self.reqs[req.uid] = req
+            return batch
+        batch = self.decode.schedule()
+        if batch is not None and not self._fits(batch):
+            self._drain()  # finished requests may free enough; and victims must be up to date
+            batch = self.decode.schedule()
+            while batch is not None and not self._fits(batch):
+                self._preempt(self.decode.running[-1])
+                batch = self.decode.schedule()
+        return batch
+
+    def _fits(self, batch: Batch) -> bool:
+        needed = sum(self.cache.pages_needed(r, r.device_len) for r in batch.reqs)
+        return needed <= self.cache.available_pages
+
+    def _preempt(self, victim: Req) -> None:
+        """Out of KV pages: send a request back to the queue, to be recomputed later."""
+        logger.info("KV cache full: preempting request %d to recompute later", victim.uid)
+        self._release(victim)
+        del self.reqs[victim.uid]
+        pending = PendingReq(victim.uid, victim.input_ids, victim.sampling_params,
+                             victim.max_device_len, first_admission=False)
+        self.prefill.add(pending, front=True)
+
+    def _launch(self, batch: Batch) -> InFlight:
+        for req in batch.reqs:
+            self.cache.allocate(req, req.device_len)
+        emits = [req.device_len >= len(req.input_ids) for req in batch.reqs]
+        self.engine.prepare_batch(batch)
+        output = self.engine.forward_batch(batch)
+        for req, emit in zip(batch.reqs, emits):
+            if emit:
+                req.complete_one()
+            else:
+                req.cached_len = req.device_len  # a chunk done; the prompt goes on
+        if batch.is_prefill:
+            for req in batch.reqs:
+                self.cache.cache_req(req, finished=False)  # later prompts may share it now
+            self.decode.add([r for r, emit in zip(batch.reqs, emits) if emit])
+        return InFlight(batch, output, emits)
+
+    def _process(self, flight: InFlight) -> list[TokenMsg]:
+        if flight.output.copy_done is not None:
+            flight.output.copy_done.synchronize()
+        messages = []
+        for req, emit, token in zip(flight.batch.reqs, flight.emits,
+                                    flight.output.next_tokens_cpu.tolist()):
+            if not emit or self.reqs.get(req.uid) is not req:
+                continue  # a chunk's token, or the extra token of a request already finished
+            req.append_host(token)
+            reason = self._finish_reason(req, token)
+            messages.append(TokenMsg(req.uid, token, reason is not None, reason,
+                                     req.cached_tokens))
+            if reason is not None:
+                self._finish(req)
+        return messages
+
+    def _drain(self) -> None:
+        if self._in_flight is not None:
+            self._drained += self._process(self._in_flight)
+            self._in_flight = None
+
+    def _finish_reason(self, req: Req, token: int) -> str | None:
+        params = req.sampling_params
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        ):
+            return "stop"
+        if len(req.input_ids) >= req.max_device_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Req) -> None:
+        self._release(req)
+        del self.reqs[req.uid]
+
+    def _release(self, req: Req) -> None:
+        """Give back the request's row and pages (its computed prefix stays cached)."""
+        if req is self.prefill.chunked:
+            self.prefill.chunked = None
+        if req in self.decode.running:
+            self.decode.remove(req)
+        self.cache.cache_req(req, finished=True)
+        self.table.free(req.table_idx)
+
+    # ---- checks ---------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Every KV page accounted for exactly once; radix reference counts consistent."""
+        self.cache.check_integrity(list(self.reqs.values()))
+        rows = self.table.available + len(self.reqs)
+        assert rows == self.engine.config.max_running_req, f"rows leaked: {rows} accounted"
+
+    def shutdown(self) -> None:
+        self._drain()
+        self.engine.shutdown()
