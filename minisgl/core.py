@@ -179,4 +179,3 @@ def set_global_ctx(ctx: Context | None) -> None:
 def get_global_ctx() -> Context:
     assert _GLOBAL_CTX is not None, "no global Context: create an Engine first"
     return _GLOBAL_CTX
-

@@ -95,7 +95,11 @@ class TorchAttnBackend(BaseAttnBackend):
             q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
             out[start:end] = F.scaled_dot_product_attention(
-                q[start:end].transpose(0, 1), keys, values, attn_mask=mask,
-                scale=self.scale, enable_gqa=True,
+                q[start:end].transpose(0, 1),
+                keys,
+                values,
+                attn_mask=mask,
+                scale=self.scale,
+                enable_gqa=True,
             ).transpose(0, 1)
         return out

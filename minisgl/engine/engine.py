@@ -56,8 +56,13 @@ class Engine:
         mc = self.model_config
         self.num_pages = config.num_page_override or self._pages_from_budget()
         self.kv_cache = MHAKVCache(
-            mc.num_layers, self.num_pages, self.page_size, mc.num_kv_heads, mc.head_dim,
-            self.dtype, self.device,
+            mc.num_layers,
+            self.num_pages,
+            self.page_size,
+            mc.num_kv_heads,
+            mc.head_dim,
+            self.dtype,
+            self.device,
         )
         # One row per running request plus one for the dummy request; one column per
         # position of the longest sequence, plus one for the token sampled after it.
@@ -65,7 +70,9 @@ class Engine:
         width = -(-(self.max_seq_len + 1) // self.page_size) * self.page_size
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
-        dummy_slots = self.kv_cache.dummy_page * self.page_size + torch.arange(width) % self.page_size
+        dummy_slots = (
+            self.kv_cache.dummy_page * self.page_size + torch.arange(width) % self.page_size
+        )
         self.page_table[rows - 1] = dummy_slots.to(self.device, torch.int32)
         self.dummy_req = Req(
             torch.zeros(1, dtype=torch.int32), rows - 1, 0, 1, -1, SamplingParams()
@@ -76,8 +83,13 @@ class Engine:
         set_global_ctx(self.ctx)
         logger.info(
             "engine ready in %.1fs: %s %s on %s, %d KV pages of %d tokens, max_seq_len %d",
-            time.perf_counter() - start, mc.architecture, self.dtype, self.device,
-            self.num_pages, self.page_size, self.max_seq_len,
+            time.perf_counter() - start,
+            mc.architecture,
+            self.dtype,
+            self.device,
+            self.num_pages,
+            self.page_size,
+            self.max_seq_len,
         )
 
     def prepare_batch(self, batch: Batch) -> None:
@@ -106,8 +118,10 @@ class Engine:
         dummy_row = self.dummy_req.table_idx
         # A request whose forward covered every token it has is done with its prompt.
         rows, cols = zip(
-            *[(r.table_idx, r.device_len) if r.device_len >= len(r.input_ids) else (dummy_row, 0)
-              for r in batch.reqs]
+            *[
+                (r.table_idx, r.device_len) if r.device_len >= len(r.input_ids) else (dummy_row, 0)
+                for r in batch.reqs
+            ]
         )
         where = torch.tensor([rows, cols]).to(self.device, non_blocking=True)
         self.token_pool[where[0], where[1]] = next_tokens

@@ -40,8 +40,9 @@ def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> 
     top_ps = [p.top_p for p in params]
     return BatchSamplingArgs(
         greedy=all(is_greedy),
-        temperatures=put([1.0 if g else p.temperature for g, p in zip(is_greedy, params)],
-                         torch.float32)[:, None],
+        temperatures=put(
+            [1.0 if g else p.temperature for g, p in zip(is_greedy, params)], torch.float32
+        )[:, None],
         is_greedy=put(is_greedy, torch.bool),
         top_k=put(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
         top_p=put(top_ps, torch.float32) if any(p < 1.0 for p in top_ps) else None,

@@ -23,7 +23,9 @@ class MHAKVCache:
         device: torch.device,
     ) -> None:
         if num_pages < 1 or page_size < 1:
-            raise ValueError(f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}")
+            raise ValueError(
+                f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}"
+            )
         self.num_pages, self.page_size = num_pages, page_size
         shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
         # zeros, not empty: attention may read (and mask) stale slots, which must not be NaN
@@ -45,7 +47,9 @@ class MHAKVCache:
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self._v[layer_id].flatten(0, 1)
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int) -> None:
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
+    ) -> None:
         self.k_cache(layer_id)[out_loc] = k
         self.v_cache(layer_id)[out_loc] = v
 

@@ -34,10 +34,14 @@ class MoEBlock(nn.Module):
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
+        )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         out = torch.zeros_like(x)
         # Sort the (token, slot) pairs by expert so each expert's tokens are contiguous.
         flat_experts = experts.flatten()

@@ -31,7 +31,9 @@ class RotaryEmbedding:
 
 
 @functools.cache
-def get_rope(head_dim: int, base: float, max_position: int, device: torch.device) -> RotaryEmbedding:
+def get_rope(
+    head_dim: int, base: float, max_position: int, device: torch.device
+) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim, base, max_position, device)
 
 

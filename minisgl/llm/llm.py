@@ -41,9 +41,7 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        msgs = [
-            UserMsg(next(self._uids), self._token_ids(p), sp) for p, sp in zip(prompts, params)
-        ]
+        msgs = [UserMsg(next(self._uids), self._token_ids(p), sp) for p, sp in zip(prompts, params)]
         for i, msg in enumerate(msgs):  # check them all before any starts: all or nothing
             try:
                 self.scheduler.validate(msg)
@@ -52,7 +50,9 @@ class LLM:
         for msg in msgs:
             self.scheduler.add_request(msg)
 
-        results = {m.uid: {"token_ids": [], "finish_reason": None, "cached_tokens": 0} for m in msgs}
+        results = {
+            m.uid: {"token_ids": [], "finish_reason": None, "cached_tokens": 0} for m in msgs
+        }
         bar = tqdm(total=len(msgs), desc="generate", disable=not use_tqdm)
         remaining = len(msgs)
         while remaining:

@@ -70,7 +70,9 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", False),
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window", True) else None,
+            sliding_window=raw.get("sliding_window")
+            if raw.get("use_sliding_window", True)
+            else None,
             moe=_moe(raw),
         )
 

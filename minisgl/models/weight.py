@@ -53,9 +53,11 @@ def convert_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             target, index = _MERGES[m[2]]
             pieces[f"{m[1]}.{target}.{m[3]}"][index] = tensor
         else:
-            out[name.replace(".self_attn.q_norm.", ".self_attn.attn.q_norm.").replace(
-                ".self_attn.k_norm.", ".self_attn.attn.k_norm."
-            )] = tensor
+            out[
+                name.replace(".self_attn.q_norm.", ".self_attn.attn.q_norm.").replace(
+                    ".self_attn.k_norm.", ".self_attn.attn.k_norm."
+                )
+            ] = tensor
     for name, parts in pieces.items():
         want = 3 if ".qkv_proj." in name else 2
         if len(parts) != want:

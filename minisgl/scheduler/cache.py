@@ -117,4 +117,6 @@ class CacheManager:
             f"pool has {self.num_pages}"
         )
         tokens = self.cache.evictable_tokens + self.cache.protected_tokens
-        assert tokens == len(cached) * ps, f"cache counts {tokens} tokens, holds {len(cached)} pages"
+        assert tokens == len(cached) * ps, (
+            f"cache counts {tokens} tokens, holds {len(cached)} pages"
+        )

@@ -86,7 +86,9 @@ class PrefillManager:
         match = self.cache.match(pending.input_ids)
         n = len(pending.input_ids) - match.length
         n = min(n, budget)  # [ch10] cut the prompt to the budget; the rest comes next round
-        pages = -(-(match.length + n) // self.cache.page_size) - match.length // self.cache.page_size
+        pages = (
+            -(-(match.length + n) // self.cache.page_size) - match.length // self.cache.page_size
+        )
         self.cache.cache.lock(match.node)  # so the check below does not count it as evictable
         fits = pages + reserve_pages <= self.cache.available_pages
         self.cache.cache.unlock(match.node)
@@ -94,8 +96,9 @@ class PrefillManager:
             return None
         row = self.table.alloc(pending.input_ids)
         output_len = pending.max_device_len - len(pending.input_ids)
-        req = Req(pending.input_ids, row, match.length, output_len, pending.uid,
-                  pending.sampling_params)
+        req = Req(
+            pending.input_ids, row, match.length, output_len, pending.uid, pending.sampling_params
+        )
         req.cached_tokens = match.length if pending.first_admission else 0
         self.cache.attach(req, match)
         req.device_len = match.length + n

@@ -42,14 +42,16 @@ class Scheduler:
         self.engine = engine = Engine(config)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.table = TableManager(config.max_running_req, engine.token_pool)
-        self.cache = CacheManager(engine.num_pages, engine.page_size, engine.page_table,
-                                  config.cache_type)
+        self.cache = CacheManager(
+            engine.num_pages, engine.page_size, engine.page_table, config.cache_type
+        )
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length)
         self.decode = DecodeManager()
         self.reqs: dict[int, Req] = {}  # admitted and not finished, by uid
         self.overlap = not ENV.DISABLE_OVERLAP_SCHEDULING.value  # [ch12]
         self._in_flight: InFlight | None = None
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
+        self.num_preemptions = 0
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -129,10 +131,16 @@ class Scheduler:
     def _preempt(self, victim: Req) -> None:
         """Out of KV pages: send a request back to the queue, to be recomputed later."""
         logger.info("KV cache full: preempting request %d to recompute later", victim.uid)
+        self.num_preemptions += 1
         self._release(victim)
         del self.reqs[victim.uid]
-        pending = PendingReq(victim.uid, victim.input_ids, victim.sampling_params,
-                             victim.max_device_len, first_admission=False)
+        pending = PendingReq(
+            victim.uid,
+            victim.input_ids,
+            victim.sampling_params,
+            victim.max_device_len,
+            first_admission=False,
+        )
         self.prefill.add(pending, front=True)
 
     def _launch(self, batch: Batch) -> InFlight:
@@ -156,14 +164,14 @@ class Scheduler:
         if flight.output.copy_done is not None:
             flight.output.copy_done.synchronize()
         messages = []
-        for req, emit, token in zip(flight.batch.reqs, flight.emits,
-                                    flight.output.next_tokens_cpu.tolist()):
+        for req, emit, token in zip(
+            flight.batch.reqs, flight.emits, flight.output.next_tokens_cpu.tolist()
+        ):
             if not emit or self.reqs.get(req.uid) is not req:
                 continue  # a chunk's token, or the extra token of a request already finished
             req.append_host(token)
             reason = self._finish_reason(req, token)
-            messages.append(TokenMsg(req.uid, token, reason is not None, reason,
-                                     req.cached_tokens))
+            messages.append(TokenMsg(req.uid, token, reason is not None, reason, req.cached_tokens))
             if reason is not None:
                 self._finish(req)
         return messages

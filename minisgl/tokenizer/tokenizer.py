@@ -83,8 +83,9 @@ def _compile(source: str) -> jinja2.Template:
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
-                                                                  indent=indent)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(
+            x, ensure_ascii=False, indent=indent
+        )
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         _TEMPLATES[source] = env.from_string(source)

@@ -1,0 +1,140 @@
+"""Offline throughput: minisgl vs Hugging Face `generate`, side by side in one run.
+
+The workload has nano-vllm's shape: random token prompts, input and output lengths drawn
+uniformly from ranges, EOS ignored so every request produces exactly its output length.
+The defaults are scaled down so a CPU run takes minutes; on a GPU raise them.
+
+    python tools/bench_offline.py --model models/SmolLM2-135M-Instruct --num-seqs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(args.seed)
+    return [
+        (
+            [rng.randrange(vocab) for _ in range(rng.randint(args.min_input, args.max_input))],
+            rng.randint(args.min_output, args.max_output),
+        )
+        for _ in range(args.num_seqs)
+    ]
+
+
+def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> float:
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    llm = LLM(
+        args.model,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        max_running_req=args.max_running_req,
+    )
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in reqs]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    _sync(args.device)
+    start = time.perf_counter()
+    outputs = llm.generate([ids for ids, _ in reqs], params)
+    _sync(args.device)
+    elapsed = time.perf_counter() - start
+    assert [len(o["token_ids"]) for o in outputs] == [n for _, n in reqs]
+    llm.shutdown()
+    return elapsed
+
+
+def bench_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]], batched: bool) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
+
+    def generate(batch: list[tuple[list[int], int]]) -> None:
+        width = max(len(ids) for ids, _ in batch)
+        # left padding, so every prompt ends where generation starts
+        input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids, _ in batch])
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in batch])
+        new = max(n for _, n in batch)
+        with torch.no_grad():
+            model.generate(
+                input_ids.to(args.device),
+                attention_mask=mask.to(args.device),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+
+    generate([([1, 2, 3], 2)])  # warm-up
+    _sync(args.device)
+    start = time.perf_counter()
+    if batched:
+        for i in tqdm(range(0, len(reqs), args.hf_batch_size), desc="hf batched"):
+            generate(reqs[i : i + args.hf_batch_size])
+    else:
+        for req in tqdm(reqs, desc="hf one at a time"):
+            generate([req])
+    _sync(args.device)
+    return time.perf_counter() - start
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="models/SmolLM2-135M-Instruct")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--num-seqs", type=int, default=16)
+    p.add_argument("--min-input", type=int, default=16)
+    p.add_argument("--max-input", type=int, default=256)
+    p.add_argument("--min-output", type=int, default=16)
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--max-running-req", type=int, default=256)
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--skip-hf", action="store_true", help="measure minisgl only")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    from minisgl.models.config import ModelConfig
+
+    reqs = workload(args, ModelConfig.from_path(args.model).vocab_size)
+    useful = sum(n for _, n in reqs)
+    machine = (
+        torch.cuda.get_device_name()
+        if args.device.startswith("cuda")
+        else (f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads")
+    )
+    print(
+        f"{len(reqs)} requests, input {args.min_input}-{args.max_input}, output "
+        f"{args.min_output}-{args.max_output} ({useful} output tokens), {args.dtype}, {machine}"
+    )
+    rows = [("minisgl", bench_minisgl(args, reqs))]
+    if not args.skip_hf:
+        rows.append(("HF generate, one request at a time", bench_hf(args, reqs, batched=False)))
+        rows.append(
+            (
+                f"HF generate, batches of {args.hf_batch_size} (padded)",
+                bench_hf(args, reqs, batched=True),
+            )
+        )
+    base = rows[0][1]
+    print("\n| engine | time (s) | output tok/s | minisgl speed-up |\n|---|---|---|---|")
+    for name, seconds in rows:
+        print(f"| {name} | {seconds:.1f} | {useful / seconds:.1f} | {seconds / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
