@@ -37,3 +37,18 @@ class BaseAttnBackend(ABC):
         q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim].
         Returns [tokens, q_heads, head_dim].
         """
+
+    # >>> ch18 CUDA-graph hooks: metadata in static buffers
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        """Allocate static metadata buffers big enough for every captured batch size."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        """Point `batch.attn_metadata` at the static buffers (the batch being captured)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        """Copy this batch's metadata into the static buffers before a replay."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    # <<< ch18

@@ -31,11 +31,22 @@ class TorchAttnMetadata(BaseAttnMetadata):
         return self.cu_seqlens_q[1:] - 1
 
 
+# >>> ch18 static metadata for CUDA graphs
+@dataclass
+class TorchCaptureData:
+    cu_seqlens_q: torch.Tensor  # [max_bs + 1]: always 0, 1, ..., max_bs in decode
+    seq_lens: torch.Tensor  # [max_bs]
+    page_table: torch.Tensor  # [max_bs, every position of the longest sequence]
+
+
+# <<< ch18
 class TorchAttnBackend(BaseAttnBackend):
     def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
         self.kv_cache = kv_cache
         self.page_table = page_table  # the engine's [rows, max positions] table
         self.scale = scale
+        self.capture: TorchCaptureData | None = None  # [ch18]
+        self.capture_bs: list[int] = []  # [ch18]
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -103,3 +114,36 @@ class TorchAttnBackend(BaseAttnBackend):
                 enable_gqa=True,
             ).transpose(0, 1)
         return out
+
+    # >>> ch18 CUDA-graph hooks
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        max_bs, device = max(bs_list), self.page_table.device
+        # The table spans the engine's full width (max_seq_len + 1 positions in whole pages),
+        # so no replay can ever need a column that was not copied in.
+        assert self.page_table.size(1) >= max_seq_len + 1
+        self.capture = TorchCaptureData(
+            cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+            page_table=self.page_table[-1:].repeat(max_bs, 1),  # the dummy row: the dummy page
+        )
+        self.capture_bs = list(bs_list)
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs = batch.size
+        assert bs in self.capture_bs and self.capture is not None
+        cap = self.capture
+        batch.attn_metadata = TorchAttnMetadata(
+            cu_seqlens_q=cap.cu_seqlens_q[: bs + 1],
+            cache_seqlens=cap.seq_lens[:bs],
+            page_table=cap.page_table[:bs, :],
+            max_seqlen_q=1,
+        )
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        metadata, bs = batch.attn_metadata, batch.padded_size
+        assert isinstance(metadata, TorchAttnMetadata) and self.capture is not None
+        table_len = metadata.page_table.size(1)
+        self.capture.seq_lens[:bs].copy_(metadata.cache_seqlens)
+        self.capture.page_table[:bs, :table_len].copy_(metadata.page_table)
+
+    # <<< ch18

@@ -17,6 +17,12 @@ class EngineConfig:
     max_seq_len_override: int | None = None  # None: the model's context length
     page_size: int = 1
     attention_backend: str = "auto"
+    # >>> ch18 decode CUDA graphs
+    # Largest captured decode batch; None: from GPU memory on CUDA, off on CPU; 0: off.
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None  # an explicit list of batch sizes wins
+    debug_cuda_graph: bool = False  # run eagerly through the graph runner's buffers
+    # <<< ch18
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -29,5 +35,13 @@ class EngineConfig:
             raise ValueError(f"num_page_override must be >= 1, got {self.num_page_override}")
         if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
             raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:  # [ch18]
+            raise ValueError(
+                f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}"
+            )  # [ch18]
+        if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:  # [ch18]
+            raise ValueError(
+                f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}"
+            )  # [ch18]
         if self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r} (auto, torch)")

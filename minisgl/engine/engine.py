@@ -21,6 +21,7 @@ from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.graph import GraphRunner, graph_batch_sizes  # [ch18]
 from minisgl.engine.sample import prepare_sampling, sample
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -43,6 +44,9 @@ class Engine:
         start = time.perf_counter()
         self.config = config
         self.device = _resolve_device(config.device)
+        self.free_memory_at_start = (
+            torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
+        )
         self.model_config = ModelConfig.from_path(config.model_path)
         self.dtype = config.dtype or getattr(torch, self.model_config.dtype or "bfloat16")
         self.max_seq_len = self._max_seq_len()
@@ -81,6 +85,18 @@ class Engine:
         self.attn_backend = self._create_backend()
         self.ctx = Context(self.page_size, self.kv_cache, self.attn_backend)
         set_global_ctx(self.ctx)
+        # >>> ch18
+        self.graph_runner = GraphRunner(
+            self.model,
+            self.attn_backend,
+            self.dummy_req,
+            self._graph_batch_sizes(),
+            self.max_seq_len,
+            mc.vocab_size,
+            self.device,
+            config.debug_cuda_graph,
+        )
+        # <<< ch18
         logger.info(
             "engine ready in %.1fs: %s %s on %s, %d KV pages of %d tokens, max_seq_len %d",
             time.perf_counter() - start,
@@ -94,6 +110,7 @@ class Engine:
 
     def prepare_batch(self, batch: Batch) -> None:
         """Gather the batch's input ids, positions and KV slots, and its attention metadata."""
+        self.graph_runner.pad_batch(batch)  # [ch18]
         reqs = batch.padded_reqs
         positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
         rows = torch.cat([torch.full((r.extend_len,), r.table_idx) for r in reqs])
@@ -112,7 +129,7 @@ class Engine:
         token too, which is meaningless: it is written to the dummy row and ignored.
         """
         with self.ctx.forward_batch(batch):
-            logits = self.model.forward()[: batch.size]
+            logits = self._logits(batch)
         args = prepare_sampling(batch.reqs, self.model_config.vocab_size, self.device)
         next_tokens = sample(logits, args)
         dummy_row = self.dummy_req.table_idx
@@ -126,6 +143,13 @@ class Engine:
         where = torch.tensor([rows, cols]).to(self.device, non_blocking=True)
         self.token_pool[where[0], where[1]] = next_tokens
         return self._to_host(next_tokens)
+
+    def _logits(self, batch: Batch) -> torch.Tensor:
+        # >>> ch18
+        if self.graph_runner.can_use_cuda_graph(batch):
+            return self.graph_runner.replay(batch)
+        # <<< ch18
+        return self.model.forward()[: batch.size]
 
     def _to_host(self, next_tokens: torch.Tensor) -> ForwardOutput:
         if self.device.type != "cuda":
@@ -167,7 +191,25 @@ class Engine:
         scale = self.model_config.head_dim**-0.5
         return TorchAttnBackend(self.kv_cache, self.page_table, scale)
 
+    # >>> ch18
+    def _graph_batch_sizes(self) -> list[int]:
+        config, on_cuda = self.config, self.device.type == "cuda"
+        torch_backend = isinstance(self.attn_backend, TorchAttnBackend)
+        if on_cuda and torch_backend and not config.debug_cuda_graph:
+            if config.cuda_graph_max_bs != 0:
+                logger.info("CUDA graphs off: the torch backend reads sequence lengths on the host")
+            return []
+        if config.cuda_graph_bs is not None:
+            return sorted(set(config.cuda_graph_bs))
+        max_bs = config.cuda_graph_max_bs
+        if max_bs is None and on_cuda:
+            max_bs = 256 if self.free_memory_at_start > 80 * 2**30 else 160
+        max_bs = min(max_bs or 0, config.max_running_req)
+        return graph_batch_sizes(max_bs) if max_bs else []
+
+    # <<< ch18
     def shutdown(self) -> None:
+        self.graph_runner.destroy_cuda_graphs()  # [ch18]
         set_global_ctx(None)
 
 
