@@ -128,6 +128,7 @@ class Engine:
         A request still in the middle of its prompt (a chunk that is not its last) gets a
         token too, which is meaningless: it is written to the dummy row and ignored.
         """
+        set_global_ctx(self.ctx)  # several engines may live in one process (tests do this)
         with self.ctx.forward_batch(batch):
             logits = self._logits(batch)
         args = prepare_sampling(batch.reqs, self.model_config.vocab_size, self.device)
