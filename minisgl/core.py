@@ -32,6 +32,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # same seed, same prompt -> same tokens, whatever the batch
+    presence_penalty: float = 0.0  # OpenAI's: on tokens generated so far
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # the multiplicative one, on prompt and output tokens
+    logprobs: bool = False  # report the log-probability of each chosen token
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -44,10 +48,21 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 class Req:
@@ -71,6 +86,7 @@ class Req:
     ) -> None:
         assert input_ids.dim() == 1 and input_ids.device.type == "cpu"
         self.input_ids = input_ids.to(torch.int32)  # host copy: prompt + tokens generated so far
+        self.prompt_len = len(input_ids)  # where the output starts (kept across preemption)
         self.table_idx = table_idx
         self.cached_len = cached_len
         self.device_len = len(input_ids)

@@ -22,6 +22,7 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner, graph_batch_sizes  # [ch18]
+from minisgl.engine.penalty import apply_penalties, gather_penalties
 from minisgl.engine.sample import prepare_sampling, sample
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -36,6 +37,7 @@ logger = logging.getLogger(__name__)
 class ForwardOutput:
     next_tokens: torch.Tensor  # [bs] int32 on the device
     next_tokens_cpu: torch.Tensor  # [bs] int32 on the host, valid once `copy_done` is reached
+    logprobs_cpu: torch.Tensor | None  # [bs] fp32 on the host, when any request asked for them
     copy_done: torch.cuda.Event | None
 
 
@@ -131,10 +133,17 @@ class Engine:
         set_global_ctx(self.ctx)  # several engines may live in one process (tests do this)
         with self.ctx.forward_batch(batch):
             logits = self._logits(batch)
+        penalties = gather_penalties(batch.reqs, self.token_pool, self.model_config.vocab_size)
+        if penalties is not None:
+            logits = apply_penalties(logits, penalties)
         args = prepare_sampling(batch.reqs, self.model_config.vocab_size, self.device)
         next_tokens = sample(logits, args)
-        dummy_row = self.dummy_req.table_idx
+        logprobs = None
+        if any(r.sampling_params.logprobs for r in batch.reqs):
+            chosen = next_tokens.long()[:, None]
+            logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen)[:, 0]
         # A request whose forward covered every token it has is done with its prompt.
+        dummy_row = self.dummy_req.table_idx
         rows, cols = zip(
             *[
                 (r.table_idx, r.device_len) if r.device_len >= len(r.input_ids) else (dummy_row, 0)
@@ -143,7 +152,7 @@ class Engine:
         )
         where = torch.tensor([rows, cols]).to(self.device, non_blocking=True)
         self.token_pool[where[0], where[1]] = next_tokens
-        return self._to_host(next_tokens)
+        return self._to_host(next_tokens, logprobs)
 
     def _logits(self, batch: Batch) -> torch.Tensor:
         # >>> ch18
@@ -152,14 +161,16 @@ class Engine:
         # <<< ch18
         return self.model.forward()[: batch.size]
 
-    def _to_host(self, next_tokens: torch.Tensor) -> ForwardOutput:
+    def _to_host(self, next_tokens: torch.Tensor, logprobs: torch.Tensor | None) -> ForwardOutput:
         if self.device.type != "cuda":
-            return ForwardOutput(next_tokens, next_tokens, None)
+            return ForwardOutput(next_tokens, next_tokens, logprobs, None)
         host = torch.empty(next_tokens.shape, dtype=torch.int32, pin_memory=True)
         host.copy_(next_tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs = logprobs.to("cpu", non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return ForwardOutput(next_tokens, host, event)
+        return ForwardOutput(next_tokens, host, logprobs, event)
 
     def _max_seq_len(self) -> int:
         mc, override = self.model_config, self.config.max_seq_len_override

@@ -23,10 +23,30 @@ class AbortMsg:
 
 @dataclass
 class TokenMsg:
-    """One generated token of one request."""
+    """One generated token of one request (or, with `error`, its refusal)."""
 
     uid: int
     token: int
     finished: bool
     finish_reason: str | None  # "stop" (EOS or a stop token) or "length"
     cached_tokens: int  # prompt tokens served from the prefix cache
+    logprob: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class SchedulerStats:
+    running: int
+    queued: int
+    kv_pages_total: int
+    kv_pages_in_use: int  # held by running requests (cached, evictable pages count as free)
+    cached_tokens_total: int  # prompt tokens served from the prefix cache so far
+    preemptions_total: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What the scheduler sends after a step: the tokens, and how it is doing."""
+
+    tokens: list[TokenMsg]
+    stats: SchedulerStats

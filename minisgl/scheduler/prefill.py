@@ -27,6 +27,7 @@ class PendingReq:
     input_ids: torch.Tensor  # int32, host: the prompt (or, after preemption, prompt + output)
     sampling_params: SamplingParams
     max_device_len: int  # prompt + max_tokens, capped by the context
+    prompt_len: int  # the original prompt's length (input_ids grows if preempted)
     first_admission: bool = True
 
 
@@ -99,6 +100,7 @@ class PrefillManager:
         req = Req(
             pending.input_ids, row, match.length, output_len, pending.uid, pending.sampling_params
         )
+        req.prompt_len = pending.prompt_len
         req.cached_tokens = match.length if pending.first_admission else 0
         self.cache.attach(req, match)
         req.device_len = match.length + n

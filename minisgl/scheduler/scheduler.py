@@ -52,6 +52,7 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
         self.num_preemptions = 0
+        self.cached_tokens_total = 0
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -79,7 +80,7 @@ class Scheduler:
         self.validate(msg)
         max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, self.engine.max_seq_len)
         ids = torch.tensor(msg.input_ids, dtype=torch.int32)
-        self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len))
+        self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len, len(ids)))
 
     def abort(self, msg: AbortMsg) -> None:
         for pending in list(self.prefill.pending):
@@ -114,6 +115,7 @@ class Scheduler:
             batch, admitted = scheduled
             for req in admitted:
                 self.reqs[req.uid] = req
+                self.cached_tokens_total += req.cached_tokens
             return batch
         batch = self.decode.schedule()
         if batch is not None and not self._fits(batch):
@@ -139,6 +141,7 @@ class Scheduler:
             victim.input_ids,
             victim.sampling_params,
             victim.max_device_len,
+            victim.prompt_len,
             first_admission=False,
         )
         self.prefill.add(pending, front=True)
@@ -164,14 +167,19 @@ class Scheduler:
         if flight.output.copy_done is not None:
             flight.output.copy_done.synchronize()
         messages = []
-        for req, emit, token in zip(
-            flight.batch.reqs, flight.emits, flight.output.next_tokens_cpu.tolist()
-        ):
+        tokens = flight.output.next_tokens_cpu.tolist()
+        logprobs = flight.output.logprobs_cpu
+        logprobs = logprobs.tolist() if logprobs is not None else [None] * len(tokens)
+        for req, emit, token, logprob in zip(flight.batch.reqs, flight.emits, tokens, logprobs):
             if not emit or self.reqs.get(req.uid) is not req:
                 continue  # a chunk's token, or the extra token of a request already finished
             req.append_host(token)
             reason = self._finish_reason(req, token)
-            messages.append(TokenMsg(req.uid, token, reason is not None, reason, req.cached_tokens))
+            if not req.sampling_params.logprobs:
+                logprob = None
+            messages.append(
+                TokenMsg(req.uid, token, reason is not None, reason, req.cached_tokens, logprob)
+            )
             if reason is not None:
                 self._finish(req)
         return messages

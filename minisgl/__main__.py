@@ -1,0 +1,3 @@
+from minisgl.server.launch import main
+
+main()

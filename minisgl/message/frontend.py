@@ -1,0 +1,59 @@
+"""Messages between the API server and the tokenizer worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.core import SamplingParams
+
+
+@dataclass
+class TokenizeMsg:
+    """A request as the API received it: text, chat messages, or token ids."""
+
+    uid: int
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    input_ids: list[int] | None = None
+    stop: list[str] = field(default_factory=list)  # cut the text here, and end the request
+    skip_special_tokens: bool = True
+
+
+@dataclass
+class AcceptedMsg:
+    """The prompt is tokenized and valid; tokens will follow."""
+
+    uid: int
+    prompt_tokens: int
+
+
+@dataclass
+class RejectedMsg:
+    """The request cannot run; `message` says why (for a 400)."""
+
+    uid: int
+    message: str
+
+
+@dataclass
+class DeltaMsg:
+    """New text for one request; the last one has `finished` set."""
+
+    uid: int
+    text: str
+    token: int | None  # None when the delta comes from cutting at a stop string
+    token_text: str | None  # the token alone, decoded (for logprobs)
+    logprob: float | None
+    finished: bool
+    finish_reason: str | None
+    cached_tokens: int
+
+
+@dataclass
+class ReadyMsg:
+    """A worker finished starting; `info` carries what the others need to know."""
+
+    worker: str
+    info: dict[str, Any] = field(default_factory=dict)

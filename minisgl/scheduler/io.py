@@ -1,0 +1,85 @@
+"""The scheduler as its own process: messages in, one step, messages out, forever.
+
+When there is work, the loop never blocks on input: it takes whatever arrived and steps.
+When there is none, it waits for a message (waking now and then to notice a dead parent).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import zmq
+
+from minisgl.message.backend import AbortMsg, SchedulerOutput, SchedulerStats, TokenMsg, UserMsg
+from minisgl.message.frontend import ReadyMsg
+from minisgl.message.transport import Reader, Writer, address
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def scheduler_stats(s: Scheduler) -> SchedulerStats:
+    cache = s.cache
+    evictable = cache.cache.evictable_tokens // cache.page_size
+    return SchedulerStats(
+        running=len(s.reqs),
+        queued=len(s.prefill.pending),
+        kv_pages_total=cache.num_pages,
+        kv_pages_in_use=cache.num_pages - cache.allocator.num_free - evictable,
+        cached_tokens_total=s.cached_tokens_total,
+        preemptions_total=s.num_preemptions,
+    )
+
+
+def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
+    parent = os.getppid()
+    while os.getppid() == parent:
+        if scheduler.has_work:
+            messages = inbox.recv_all()
+        else:
+            first = inbox.recv(timeout_ms=500)
+            messages = [first, *inbox.recv_all()] if first is not None else []
+        refused = []
+        for msg in messages:
+            if isinstance(msg, AbortMsg):
+                scheduler.abort(msg)
+            elif isinstance(msg, UserMsg):
+                try:
+                    scheduler.add_request(msg)
+                except ValueError as e:  # the tokenizer checks first; this is the last line
+                    refused.append(TokenMsg(msg.uid, -1, True, None, 0, error=str(e)))
+        tokens = scheduler.step() if scheduler.has_work else []
+        if tokens or refused or messages:
+            outbox.send(SchedulerOutput(refused + tokens, scheduler_stats(scheduler)))
+
+
+def run_scheduler_worker(config: SchedulerConfig, ipc_dir: str, log_level: str) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s scheduler %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    ready = Writer(ctx, address(ipc_dir, "ready"))
+    try:
+        scheduler = Scheduler(config, Tokenizer(config.model_path).eos_token_ids)
+    except Exception as e:
+        ready.send(ReadyMsg("scheduler", {"error": f"{type(e).__name__}: {e}"}))
+        raise
+    inbox = Reader(ctx, address(ipc_dir, "scheduler"))
+    outbox = Writer(ctx, address(ipc_dir, "detokenizer"))
+    engine = scheduler.engine
+    ready.send(
+        ReadyMsg(
+            "scheduler",
+            {
+                "max_seq_len": engine.max_seq_len,
+                "max_kv_tokens": engine.num_pages * engine.page_size,
+                "vocab_size": engine.model_config.vocab_size,
+                "device": str(engine.device),
+            },
+        )
+    )
+    try:
+        serve(scheduler, inbox, outbox)
+    finally:
+        scheduler.shutdown()

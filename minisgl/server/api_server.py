@@ -1,0 +1,343 @@
+"""The OpenAI-compatible HTTP API, on FastAPI.
+
+Each request is sent to the tokenizer worker; its tokens come back as text deltas on one
+socket that a background task reads and routes to the waiting handler by request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq.asyncio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from minisgl.message.backend import AbortMsg, SchedulerStats
+from minisgl.message.frontend import AcceptedMsg, DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.message.transport import AsyncReader, AsyncWriter, address
+from minisgl.server.metrics import Metrics
+from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status,
+            message,
+            param,
+            kind,
+            code,
+        )
+
+    def response(self) -> JSONResponse:
+        body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return JSONResponse({"error": body}, status_code=self.status)
+
+
+@dataclass
+class Choice:
+    """One of a request's n completions, as it streams in."""
+
+    uid: int
+    index: int
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  # for logprobs
+    finish_reason: str | None = None
+    started: float | None = None
+
+
+class Frontend:
+    """The API server's end of the pipes to the workers."""
+
+    def __init__(self, ipc_dir: str) -> None:
+        ctx = zmq.asyncio.Context()
+        self.to_tokenizer = AsyncWriter(ctx, address(ipc_dir, "tokenizer"))
+        self.inbox = AsyncReader(ctx, address(ipc_dir, "api"))
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.uids = itertools.count()
+        self.metrics = Metrics()
+
+    async def receive_forever(self) -> None:
+        while True:
+            msg = await self.inbox.recv()
+            if isinstance(msg, SchedulerStats):
+                self.metrics.stats = msg
+            elif (queue := self.queues.get(msg.uid)) is not None:
+                queue.put_nowait(msg)
+
+    async def open(self, msgs: list[TokenizeMsg]) -> tuple[asyncio.Queue, int]:
+        """Submit the requests; returns their shared queue and their total prompt tokens."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for msg in msgs:
+            self.queues[msg.uid] = queue
+            await self.to_tokenizer.send(msg)
+        prompt_tokens, error = 0, None
+        for _ in msgs:
+            reply = await queue.get()
+            if isinstance(reply, RejectedMsg):
+                error = reply.message
+            elif isinstance(reply, AcceptedMsg):
+                prompt_tokens = reply.prompt_tokens
+        if error is not None:
+            await self.close([m.uid for m in msgs], abort=True)
+            self.metrics.failed_requests += 1
+            raise APIError(400, error, "messages" if msgs[0].messages else "prompt")
+        self.metrics.requests += len(msgs)
+        self.metrics.prompt_tokens += prompt_tokens * len(msgs)
+        return queue, prompt_tokens
+
+    async def close(self, uids: list[int], abort: bool) -> None:
+        """Stop routing results for these requests; with `abort`, stop computing them too."""
+        for uid in uids:
+            self.queues.pop(uid, None)
+            if abort:
+                self.to_tokenizer.send_nowait(AbortMsg(uid))
+
+    def record(self, choice: Choice, delta: DeltaMsg) -> None:
+        now = time.perf_counter()
+        if delta.token is not None:
+            self.metrics.generation_tokens += 1
+            choice.tokens += 1
+            choice.token_ids.append(delta.token)
+            if delta.logprob is not None:
+                choice.logprobs.append(delta.logprob)
+                choice.token_texts.append(delta.token_text or "")
+            if choice.tokens == 1:
+                self.metrics.ttft.observe(now - choice.started)
+                choice.started = now
+        if delta.finished:
+            choice.finish_reason = delta.finish_reason or "stop"
+            if choice.tokens > 1:
+                self.metrics.tpot.observe((now - choice.started) / (choice.tokens - 1))
+
+
+def create_app(
+    frontend: Frontend, model_name: str, healthy: Callable[[], bool], aliases: tuple[str, ...] = ()
+) -> FastAPI:
+    app = FastAPI(title="minisgl")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        frontend.metrics.failed_requests += 1
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", []) if x != "body"]
+        if err.get("type") == "json_invalid":
+            return APIError(400, f"malformed JSON: {err.get('msg')}").response()
+        param = ".".join(loc) or None
+        return APIError(400, f"{param or 'body'}: {err.get('msg')}", param).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if healthy():
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "a worker process died"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(frontend.metrics.render())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "minisgl"}
+        return {"object": "list", "data": [card]}
+
+    def check_model(name: str) -> None:
+        if name != model_name and name not in aliases:
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; this server has {model_name!r}",
+                "model",
+                code="model_not_found",
+            )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt = body.prompt
+        msgs = [
+            TokenizeMsg(
+                next(frontend.uids),
+                body.sampling_params(body.max_tokens, bool(body.logprobs), i),
+                prompt=prompt if isinstance(prompt, str) else None,
+                input_ids=None if isinstance(prompt, str) else list(prompt),
+                stop=body.stop_strings(),
+                skip_special_tokens=body.skip_special_tokens,
+            )
+            for i in range(body.n)
+        ]
+        return await respond(request, body, msgs, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        msgs = [
+            TokenizeMsg(
+                next(frontend.uids),
+                body.sampling_params(body.max_new_tokens(), body.logprobs, i),
+                messages=body.plain_messages(),
+                stop=body.stop_strings(),
+                skip_special_tokens=body.skip_special_tokens,
+            )
+            for i in range(body.n)
+        ]
+        return await respond(request, body, msgs, chat=True)
+
+    async def respond(request: Request, body: Any, msgs: list[TokenizeMsg], chat: bool) -> Response:
+        queue, prompt_tokens = await frontend.open(msgs)
+        started = time.perf_counter()
+        choices = {m.uid: Choice(m.uid, i, started=started) for i, m in enumerate(msgs)}
+        shape = _Shape(chat, model_name, body.logprobs)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = stream(queue, choices, shape, prompt_tokens, usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            while any(c.finish_reason is None for c in choices.values()):
+                delta: DeltaMsg = await queue.get()
+                choice = choices[delta.uid]
+                frontend.record(choice, delta)
+                choice.text.append(delta.text)
+        finally:
+            unfinished = [c.uid for c in choices.values() if c.finish_reason is None]
+            await frontend.close(list(choices), abort=False)
+            await frontend.close(unfinished, abort=True)
+        return JSONResponse(shape.full(list(choices.values()), prompt_tokens))
+
+    async def stream(
+        queue: asyncio.Queue,
+        choices: dict[int, Choice],
+        shape: _Shape,
+        prompt_tokens: int,
+        usage: bool,
+    ) -> AsyncIterator[str]:
+        try:
+            if shape.chat:
+                for c in choices.values():
+                    yield shape.event(
+                        [shape.chunk_choice(c.index, {"role": "assistant", "content": ""}, None)]
+                    )
+            while any(c.finish_reason is None for c in choices.values()):
+                delta: DeltaMsg = await queue.get()
+                choice = choices[delta.uid]
+                frontend.record(choice, delta)
+                choice.text.append(delta.text)
+                if delta.text or delta.finished:
+                    lp = [delta.logprob] if delta.logprob is not None else []
+                    yield shape.event([shape.delta_choice(choice, delta.text, lp)])
+            if usage:
+                yield shape.event([], shape.usage(list(choices.values()), prompt_tokens))
+            yield "data: [DONE]\n\n"
+        finally:  # a client that hangs up cancels this generator: abort what is left
+            unfinished = [c.uid for c in choices.values() if c.finish_reason is None]
+            await frontend.close(list(choices), abort=False)
+            await frontend.close(unfinished, abort=True)
+
+    return app
+
+
+class _Shape:
+    """How responses look: completions or chat, whole or streamed."""
+
+    def __init__(self, chat: bool, model: str, logprobs: Any) -> None:
+        self.chat, self.model, self.logprobs = chat, model, bool(logprobs)
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, int]:
+        completion = sum(c.tokens for c in choices)
+        return {
+            "prompt_tokens": prompt_tokens * len(choices),
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens * len(choices) + completion,
+        }
+
+    def _logprobs(self, values: list[float], tokens: list[str]) -> Any:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            content = [
+                {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, v in zip(tokens, values)
+            ]
+            return {"content": content}
+        return {
+            "token_logprobs": values,
+            "tokens": tokens,
+            "top_logprobs": None,
+            "text_offset": None,
+        }
+
+    def full(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            text = "".join(c.text)
+            body: dict[str, Any] = {
+                "index": c.index,
+                "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c.logprobs, c.token_texts),
+            }
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            out.append(body)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": out,
+            "usage": self.usage(choices, prompt_tokens),
+        }
+
+    def chunk_choice(self, index: int, delta: dict[str, Any], finish: str | None) -> dict:
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+    def delta_choice(self, c: Choice, text: str, logprobs: list[float]) -> dict[str, Any]:
+        texts = c.token_texts[-len(logprobs) :] if logprobs else []
+        if self.chat:
+            body = self.chunk_choice(c.index, {"content": text}, c.finish_reason)
+        else:
+            body = {"index": c.index, "text": text, "finish_reason": c.finish_reason}
+        body["logprobs"] = self._logprobs(logprobs, texts)
+        return body
+
+    def event(self, choices: list[dict], usage: dict[str, int] | None = None) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"

@@ -1,0 +1,76 @@
+"""`python -m minisgl --model M --shell`: chat with the model in the terminal.
+
+It drives the same worker processes as the HTTP server, through the same frontend, so
+what you see here is what an API client would get: streamed, incrementally decoded text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+from minisgl.core import SamplingParams
+from minisgl.message.frontend import DeltaMsg, TokenizeMsg
+from minisgl.server.api_server import APIError, Frontend
+from minisgl.server.launch import ProcessTree
+from minisgl.server.protocol import UNLIMITED
+
+HELP = "Type a message. /reset forgets the conversation, /exit (or Ctrl-D) quits."
+
+
+async def run_shell(frontend: Frontend, tree: ProcessTree) -> int:
+    receiver = asyncio.create_task(frontend.receive_forever())
+    loop = asyncio.get_running_loop()
+    history: list[dict[str, str]] = []
+    print(HELP, flush=True)
+    try:
+        while True:
+            try:
+                line = await loop.run_in_executor(None, input, "> ")
+            except EOFError:
+                print()
+                return 0
+            line = line.strip()
+            if line == "/exit":
+                return 0
+            if line == "/reset":
+                history.clear()
+                print("(conversation cleared)", flush=True)
+                continue
+            if not line:
+                continue
+            if tree.dead() is not None:
+                print("a worker process died; exiting", file=sys.stderr)
+                return 1
+            history.append({"role": "user", "content": line})
+            reply = await _stream_reply(frontend, history)
+            if reply is None:
+                history.pop()
+            else:
+                history.append({"role": "assistant", "content": reply})
+    finally:
+        receiver.cancel()
+
+
+async def _stream_reply(frontend: Frontend, history: list[dict[str, str]]) -> str | None:
+    msg = TokenizeMsg(
+        next(frontend.uids),
+        SamplingParams(temperature=0.0, max_tokens=UNLIMITED),
+        messages=list(history),
+    )
+    try:
+        queue, _ = await frontend.open([msg])
+    except APIError as e:
+        print(f"error: {e.message}", flush=True)
+        return None
+    parts: list[str] = []
+    try:
+        while True:
+            delta: DeltaMsg = await queue.get()
+            parts.append(delta.text)
+            print(delta.text, end="", flush=True)
+            if delta.finished:
+                print(flush=True)
+                return "".join(parts)
+    finally:
+        await frontend.close([msg.uid], abort=not parts or not delta.finished)

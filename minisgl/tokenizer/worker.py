@@ -1,0 +1,146 @@
+"""The tokenizer worker: text in from the API server, token ids out to the scheduler, and
+generated tokens back as text.
+
+It runs in its own process so that tokenizing a long prompt or detokenizing a big batch
+never stalls the HTTP server's event loop or the scheduler's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import zmq
+
+from minisgl.message.backend import AbortMsg, SchedulerOutput, TokenMsg, UserMsg
+from minisgl.message.frontend import AcceptedMsg, DeltaMsg, ReadyMsg, RejectedMsg, TokenizeMsg
+from minisgl.message.transport import Reader, Writer, address
+from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
+from minisgl.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Limits:
+    """What a prompt must respect, as the scheduler reported at start-up."""
+
+    max_seq_len: int  # the prompt plus at least one generated token
+    max_kv_tokens: int  # the whole KV cache
+    vocab_size: int
+
+
+class TokenizerWorker:
+    def __init__(self, model_path: str, ipc_dir: str, limits: Limits) -> None:
+        self.tokenizer = Tokenizer(model_path)
+        self.limits = limits
+        ctx = zmq.Context()
+        self.from_api = Reader(ctx, address(ipc_dir, "tokenizer"))
+        self.from_scheduler = Reader(ctx, address(ipc_dir, "detokenizer"))
+        self.to_scheduler = Writer(ctx, address(ipc_dir, "scheduler"))
+        self.to_api = Writer(ctx, address(ipc_dir, "api"))
+        self.poller = zmq.Poller()
+        self.poller.register(self.from_api.socket, zmq.POLLIN)
+        self.poller.register(self.from_scheduler.socket, zmq.POLLIN)
+        self.detoks: dict[int, IncrementalDetokenizer] = {}
+
+    def run(self) -> None:
+        parent = os.getppid()
+        while os.getppid() == parent:  # the launcher died: nobody will stop us but us
+            if not self.poller.poll(500):
+                continue
+            for msg in self.from_api.recv_all():
+                self.handle_api(msg)
+            for msg in self.from_scheduler.recv_all():
+                self.handle_scheduler(msg)
+
+    def handle_api(self, msg: TokenizeMsg | AbortMsg) -> None:
+        if isinstance(msg, AbortMsg):
+            if self.detoks.pop(msg.uid, None) is not None:
+                self.to_scheduler.send(msg)
+            return
+        try:
+            ids = self.tokenize(msg)
+            self.check(ids)
+        except ValueError as e:
+            self.to_api.send(RejectedMsg(msg.uid, str(e)))
+            return
+        self.detoks[msg.uid] = IncrementalDetokenizer(
+            self.tokenizer, ids, msg.stop, msg.skip_special_tokens
+        )
+        self.to_api.send(AcceptedMsg(msg.uid, len(ids)))
+        self.to_scheduler.send(UserMsg(msg.uid, ids, msg.sampling_params))
+
+    def tokenize(self, msg: TokenizeMsg) -> list[int]:
+        if msg.input_ids is not None:
+            return msg.input_ids
+        if msg.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(msg.messages)
+            except Exception as e:  # a template may reject a conversation (e.g. roles order)
+                raise ValueError(f"the chat template rejected the messages: {e}") from None
+            # The template already wrote the special tokens it wants.
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(msg.prompt or "")
+
+    def check(self, ids: list[int]) -> None:
+        n, lim = len(ids), self.limits
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= lim.max_seq_len:
+            raise ValueError(
+                f"the prompt has {n} tokens; this model's context is {lim.max_seq_len} tokens, "
+                "including at least one generated token"
+            )
+        if n + 1 > lim.max_kv_tokens:
+            raise ValueError(f"the prompt has {n} tokens; the KV cache holds {lim.max_kv_tokens}")
+        if any(not 0 <= t < lim.vocab_size for t in ids):
+            raise ValueError(
+                f"the prompt has token ids outside the vocabulary [0, {lim.vocab_size})"
+            )
+
+    def handle_scheduler(self, out: SchedulerOutput) -> None:
+        for msg in out.tokens:
+            self.handle_token(msg)
+        self.to_api.send(out.stats)
+
+    def handle_token(self, msg: TokenMsg) -> None:
+        detok = self.detoks.get(msg.uid)
+        if detok is None:
+            return  # aborted, or already cut at a stop string
+        if msg.error is not None:
+            del self.detoks[msg.uid]
+            self.to_api.send(RejectedMsg(msg.uid, msg.error))
+            return
+        text = detok.add(msg.token)
+        finished, reason = msg.finished, msg.finish_reason
+        if detok.stopped and not finished:  # a stop string: end it here
+            self.to_scheduler.send(AbortMsg(msg.uid))
+            finished, reason = True, "stop"
+        if finished:
+            text += detok.finish()
+            del self.detoks[msg.uid]
+        token_text = None
+        if msg.logprob is not None:
+            token_text = self.tokenizer.decode([msg.token], skip_special_tokens=False)
+        self.to_api.send(
+            DeltaMsg(
+                msg.uid,
+                text,
+                msg.token,
+                token_text,
+                msg.logprob,
+                finished,
+                reason,
+                msg.cached_tokens,
+            )
+        )
+
+
+def run_tokenizer_worker(model_path: str, ipc_dir: str, limits: Limits, log_level: str) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s tokenizer %(levelname)s %(message)s")
+    worker = TokenizerWorker(model_path, ipc_dir, limits)
+    ready = Writer(zmq.Context.instance(), address(ipc_dir, "ready"))
+    ready.send(ReadyMsg("tokenizer"))
+    worker.run()
