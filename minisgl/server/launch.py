@@ -123,6 +123,16 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     return exit_code
 
 
+async def _run(args: ServerArgs, tree: ProcessTree) -> int:
+    # >>> ch17 the shell instead of the HTTP server
+    if args.shell:
+        from minisgl.shell import run_shell
+
+        return await run_shell(Frontend(tree.ipc_dir), tree)
+    # <<< ch17
+    return await _serve(args, tree)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(
@@ -134,12 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     code = 1
     try:
         tree.start()
-        if args.shell:
-            from minisgl.shell import run_shell
-
-            code = asyncio.run(run_shell(Frontend(tree.ipc_dir), tree))
-        else:
-            code = asyncio.run(_serve(args, tree))
+        code = asyncio.run(_run(args, tree))
     except KeyboardInterrupt:
         code = 130
     except RuntimeError as e:
