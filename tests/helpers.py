@@ -57,13 +57,28 @@ def _hf_greedy(path: Path, ids: tuple[int, ...], max_new_tokens: int) -> tuple[i
     model = hf_model(path)
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
     return tuple(out[0, len(ids) :].tolist())
 
 
 # >>> ch07 the engine driver
+def all_logits(engine: Engine, reqs: list[Req], phase: str) -> torch.Tensor:
+    """Logits at every new position of the batch (the LM head normally keeps only the last)."""
+    batch = Batch(reqs, phase)  # type: ignore[arg-type]
+    engine.prepare_batch(batch)
+    with torch.inference_mode(), engine.ctx.forward_batch(batch):
+        logits = engine.model.lm_head.project(engine.model.model(batch.input_ids))
+    for req in reqs:
+        req.complete_one()
+    return logits
+
+
 def make_engine(path: Path, **kw) -> Engine:
     kw.setdefault("dtype", torch.float32)
     kw.setdefault("device", "cpu")
@@ -121,4 +136,6 @@ class Driver:
                     self.release(reqs[i])
             phase = "decode"
         return outputs
+
+
 # <<< ch07

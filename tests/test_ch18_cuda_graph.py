@@ -27,8 +27,13 @@ PROMPTS = [
     "1, 1, 2, 3, 5, 8,",
     "Water boils at",
 ]
-KW = dict(dtype=torch.float32, device="cpu", max_running_req=16, num_page_override=512,
-          max_seq_len_override=128)
+KW = dict(
+    dtype=torch.float32,
+    device="cpu",
+    max_running_req=16,
+    num_page_override=512,
+    max_seq_len_override=128,
+)
 TOKENS = 6
 
 
@@ -51,8 +56,9 @@ def run(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], list[str]]:
 
     runner.replay = logged  # type: ignore[method-assign]
     try:
-        out = llm.generate(prompts, SamplingParams(max_tokens=TOKENS, ignore_eos=True),
-                           use_tqdm=False)
+        out = llm.generate(
+            prompts, SamplingParams(max_tokens=TOKENS, ignore_eos=True), use_tqdm=False
+        )
     finally:
         del runner.replay
     return [o["token_ids"] for o in out], log
@@ -66,8 +72,13 @@ def eager() -> LLM:
 
 
 def test_the_chapter_example() -> None:
-    result = subprocess.run([sys.executable, "examples/ch18_cuda_graph.py"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "examples/ch18_cuda_graph.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     lines = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line)
     assert ast.literal_eval(lines["captured batch sizes"].strip()) == [1, 2, 4]
@@ -95,8 +106,12 @@ def test_graphs_are_off_on_cpu_by_default() -> None:
 
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_every_bucket_and_the_eager_fallback(eager: LLM, page_size: int) -> None:
-    llm = LLM(str(need(SMOL)), cuda_graph_max_bs=8, page_size=page_size,
-              **{**KW, "num_page_override": 512 // page_size})
+    llm = LLM(
+        str(need(SMOL)),
+        cuda_graph_max_bs=8,
+        page_size=page_size,
+        **{**KW, "num_page_override": 512 // page_size},
+    )
     assert sorted(llm.engine.graph_runner.graph_map) == [1, 2, 4, 8]
     for n in range(1, 10):
         expected, _ = run(eager, PROMPTS[:n])

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TINY, Driver, hf_logits, make_engine, need
+from helpers import TINY, Driver, all_logits, hf_logits, make_engine, need
 
-from minisgl.core import Batch, Req, SamplingParams
-from minisgl.engine.engine import Engine
+from minisgl.core import Batch, SamplingParams
 
 TOL = 1e-4
 SEQ = 40
@@ -19,17 +18,6 @@ SEQ = 40
 
 def token_ids(seed: int, n: int = SEQ) -> list[int]:
     return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def all_logits(engine: Engine, reqs: list[Req], phase: str) -> torch.Tensor:
-    """Logits at every new position of the batch (the LM head normally keeps only the last)."""
-    batch = Batch(reqs, phase)  # type: ignore[arg-type]
-    engine.prepare_batch(batch)
-    with torch.inference_mode(), engine.ctx.forward_batch(batch):
-        logits = engine.model.lm_head.project(engine.model.model(batch.input_ids))
-    for req in reqs:
-        req.complete_one()
-    return logits
 
 
 @pytest.fixture(scope="module", params=sorted(TINY))

@@ -18,8 +18,13 @@ def draw(logits: torch.Tensor, reqs: list[Req]) -> list[int]:
     return sample(logits, prepare_sampling(reqs, logits.size(-1), logits.device)).tolist()
 
 
-def many_draws(row: torch.Tensor, n: int, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None) -> torch.Tensor:
+def many_draws(
+    row: torch.Tensor,
+    n: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> torch.Tensor:
     """n draws from one row of logits, each with its own seed."""
     args = BatchSamplingArgs(
         greedy=False,
@@ -66,8 +71,9 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
     in_batch = draw(batch_logits, mixed[:3] + [make_req(params)] + mixed[3:])[3]
     assert in_batch == alone
     # and the seed matters: over many seeds the draws differ
-    tokens = {draw(row[None], [make_req(SamplingParams(temperature=1.0, seed=s))])[0]
-              for s in range(40)}
+    tokens = {
+        draw(row[None], [make_req(SamplingParams(temperature=1.0, seed=s))])[0] for s in range(40)
+    }
     assert len(tokens) > 5
 
 
