@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 
 from minisgl.core import SamplingParams
 from minisgl.message.frontend import DeltaMsg, TokenizeMsg
@@ -18,16 +19,30 @@ from minisgl.server.protocol import UNLIMITED
 HELP = "Type a message. /reset forgets the conversation, /exit (or Ctrl-D) quits."
 
 
+def _read_lines(loop: asyncio.AbstractEventLoop, lines: asyncio.Queue) -> None:
+    # A daemon thread: a read blocked on the terminal must not keep the process alive.
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            line = None
+        loop.call_soon_threadsafe(lines.put_nowait, line)
+        if line is None:
+            return
+
+
 async def run_shell(frontend: Frontend, tree: ProcessTree) -> int:
     receiver = asyncio.create_task(frontend.receive_forever())
-    loop = asyncio.get_running_loop()
+    lines: asyncio.Queue[str | None] = asyncio.Queue()
     history: list[dict[str, str]] = []
     print(HELP, flush=True)
+    threading.Thread(
+        target=_read_lines, args=(asyncio.get_running_loop(), lines), daemon=True
+    ).start()
     try:
         while True:
-            try:
-                line = await loop.run_in_executor(None, input, "> ")
-            except EOFError:
+            line = await lines.get()
+            if line is None:  # Ctrl-D
                 print()
                 return 0
             line = line.strip()
