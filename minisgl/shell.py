@@ -19,9 +19,13 @@ from minisgl.server.protocol import UNLIMITED
 HELP = "Type a message. /reset forgets the conversation, /exit (or Ctrl-D) quits."
 
 
-def _read_lines(loop: asyncio.AbstractEventLoop, lines: asyncio.Queue) -> None:
+def _read_lines(
+    loop: asyncio.AbstractEventLoop, lines: asyncio.Queue, wanted: threading.Event
+) -> None:
     # A daemon thread: a read blocked on the terminal must not keep the process alive.
     while True:
+        wanted.wait()  # prompt only once the previous reply is printed
+        wanted.clear()
         try:
             line = input("> ")
         except EOFError:
