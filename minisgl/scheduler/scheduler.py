@@ -78,7 +78,11 @@ class Scheduler:
 
     def add_request(self, msg: UserMsg) -> None:
         self.validate(msg)
-        max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, self.engine.max_seq_len)
+        # A request can grow to the context length, or to the whole KV cache if that is
+        # smaller: beyond it, even running alone, it could never get another page.
+        e = self.engine
+        limit = min(e.max_seq_len, e.num_pages * e.page_size)
+        max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, limit)
         ids = torch.tensor(msg.input_ids, dtype=torch.int32)
         self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len, len(ids)))
 
