@@ -45,6 +45,13 @@ def reference(workload) -> list[list[int]]:
     return [hf_greedy(SMOL, ids, n) for ids, n in workload]
 
 
+@pytest.fixture(autouse=True)
+def _restore_overlap():
+    saved = ENV.DISABLE_OVERLAP_SCHEDULING.value
+    yield
+    ENV.DISABLE_OVERLAP_SCHEDULING.value = saved
+
+
 def make_llm(overlap: bool = True, **kw) -> LLM:
     ENV.DISABLE_OVERLAP_SCHEDULING.value = not overlap
     kw.setdefault("num_page_override", 4096 // kw.get("page_size", 1))

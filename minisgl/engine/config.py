@@ -35,13 +35,11 @@ class EngineConfig:
             raise ValueError(f"num_page_override must be >= 1, got {self.num_page_override}")
         if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
             raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:  # [ch18]
-            raise ValueError(
-                f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}"
-            )  # [ch18]
-        if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:  # [ch18]
-            raise ValueError(
-                f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}"
-            )  # [ch18]
+        # >>> ch18
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:
+            raise ValueError(f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}")
+        # <<< ch18
         if self.attention_backend not in ("auto", "torch"):
             raise ValueError(f"unknown attention backend {self.attention_backend!r} (auto, torch)")

@@ -29,7 +29,7 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
         queued=len(s.prefill.pending),
         kv_pages_total=cache.num_pages,
         kv_pages_in_use=cache.num_pages - cache.allocator.num_free - evictable,
-        cached_tokens_total=s.cached_tokens_total,
+        cached_tokens_total=s.prefill.cached_tokens_total,
         preemptions_total=s.num_preemptions,
     )
 

@@ -28,7 +28,7 @@ class PendingReq:
     sampling_params: SamplingParams
     max_device_len: int  # prompt + max_tokens, capped by the context
     prompt_len: int  # the original prompt's length (input_ids grows if preempted)
-    first_admission: bool = True
+    cached_tokens: int | None = None  # set once admitted: prompt tokens the cache served
 
 
 class PrefillManager:
@@ -37,6 +37,7 @@ class PrefillManager:
         self.max_prefill_length = max_prefill_length
         self.pending: deque[PendingReq] = deque()
         self.chunked: Req | None = None  # a request part-way through its prompt
+        self.cached_tokens_total = 0  # prompt tokens served from the cache, over all requests
 
     def add(self, pending: PendingReq, front: bool = False) -> None:
         if front:
@@ -86,7 +87,8 @@ class PrefillManager:
         """Start `pending` now, or return None if the KV cache cannot take it yet."""
         match = self.cache.match(pending.input_ids)
         n = len(pending.input_ids) - match.length
-        n = min(n, budget)  # [ch10] cut the prompt to the budget; the rest comes next round
+        # Cut the prompt to the budget; the rest comes in the next rounds.
+        n = min(n, budget)  # [ch10]
         pages = (
             -(-(match.length + n) // self.cache.page_size) - match.length // self.cache.page_size
         )
@@ -101,7 +103,11 @@ class PrefillManager:
             pending.input_ids, row, match.length, output_len, pending.uid, pending.sampling_params
         )
         req.prompt_len = pending.prompt_len
-        req.cached_tokens = match.length if pending.first_admission else 0
+        if pending.cached_tokens is None:  # first admission (not a preempted request's return)
+            req.cached_tokens = match.length
+            self.cached_tokens_total += match.length
+        else:
+            req.cached_tokens = pending.cached_tokens
         self.cache.attach(req, match)
         req.device_len = match.length + n
         self.cache.allocate(req, req.device_len)

@@ -52,7 +52,6 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
         self.num_preemptions = 0
-        self.cached_tokens_total = 0
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -119,7 +118,6 @@ class Scheduler:
             batch, admitted = scheduled
             for req in admitted:
                 self.reqs[req.uid] = req
-                self.cached_tokens_total += req.cached_tokens
             return batch
         batch = self.decode.schedule()
         if batch is not None and not self._fits(batch):
@@ -146,7 +144,7 @@ class Scheduler:
             victim.sampling_params,
             victim.max_device_len,
             victim.prompt_len,
-            first_admission=False,
+            cached_tokens=victim.cached_tokens,
         )
         self.prefill.add(pending, front=True)
 
