@@ -33,6 +33,9 @@ steps: models
 serve: models
 	$(BIN)/python -m minisgl --model $(MODEL) --port $(PORT)
 
+bench: models
+	$(BIN)/python tools/bench_offline.py --model $(MODEL) --device cpu
+
 lint: setup
 	$(BIN)/ruff check minisgl tests tools examples
 	$(BIN)/ruff format --check minisgl tests tools examples
