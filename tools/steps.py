@@ -60,6 +60,7 @@ else:
 
 REGION = re.compile(r"# (>>>|<<<) (ch\d+)(?: .*)?")
 LINE = re.compile(r"(?:^|\s)# \[(ch\d+)\]$")
+LOOSE_LINE = re.compile(r"(?:^|\s)# \[ch\d+\]")  # the same marker with text after it
 CHAPTER_ID = re.compile(r"ch(\d+)")
 
 
@@ -125,6 +126,8 @@ def parse_markers(text: str, path: str = "<text>") -> tuple[tuple[Marker, ...], 
             else:
                 start, chapter = stack.pop()
                 markers.append(Marker(start, chapter, row))
+        elif LOOSE_LINE.search(comment) and not LINE.search(comment):
+            problems.append(f"{where}: a '# [chNN]' marker must end its line: {comment!r}")
         elif m := LINE.search(comment):
             chapter = m[1]
             if parent and num(chapter) <= num(parent):
