@@ -40,11 +40,12 @@ async def run_shell(frontend: Frontend, tree: ProcessTree) -> int:
     lines: asyncio.Queue[str | None] = asyncio.Queue()
     history: list[dict[str, str]] = []
     print(HELP, flush=True)
-    threading.Thread(
-        target=_read_lines, args=(asyncio.get_running_loop(), lines), daemon=True
-    ).start()
+    wanted = threading.Event()
+    reader_args = (asyncio.get_running_loop(), lines, wanted)
+    threading.Thread(target=_read_lines, args=reader_args, daemon=True).start()
     try:
         while True:
+            wanted.set()
             line = await lines.get()
             if line is None:  # Ctrl-D
                 print()

@@ -43,8 +43,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--page-size", type=int, default=1)
     p.add_argument("--attn", choices=["auto", "torch"], default="auto")
     p.add_argument("--cache", choices=["radix", "naive"], default="radix")
+    # >>> ch18
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0 disables CUDA graphs")
     p.add_argument("--debug-cuda-graph", action="store_true")
+    # <<< ch18
     p.add_argument("--max-prefill-length", type=int, default=8192)
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")
@@ -66,8 +68,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             max_seq_len_override=a.max_seq_len_override,
             page_size=a.page_size,
             attention_backend=a.attn,
-            cuda_graph_max_bs=a.cuda_graph_max_bs,
-            debug_cuda_graph=a.debug_cuda_graph,
+            cuda_graph_max_bs=a.cuda_graph_max_bs,  # [ch18]
+            debug_cuda_graph=a.debug_cuda_graph,  # [ch18]
             max_prefill_length=a.max_prefill_length,
             cache_type=a.cache,
         )

@@ -40,6 +40,8 @@ class IncrementalDetokenizer:
 
     def add(self, token: int) -> str:
         """Add a generated token; returns the text that may be sent now."""
+        if self.stopped:
+            return ""
         self.ids.append(token)
         before = self._decode(self.ids[self.prefix_offset : self.read_offset])
         after = self._decode(self.ids[self.prefix_offset :])
