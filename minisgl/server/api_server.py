@@ -102,10 +102,9 @@ class Frontend:
                 prompt_tokens = reply.prompt_tokens
         if error is not None:
             await self.close([m.uid for m in msgs], abort=True)
-            self.metrics.failed_requests += 1
             raise APIError(400, error, "messages" if msgs[0].messages else "prompt")
         self.metrics.requests += len(msgs)
-        self.metrics.prompt_tokens += prompt_tokens * len(msgs)
+        self.metrics.prompt_tokens += prompt_tokens  # n choices share one prompt
         return queue, prompt_tokens
 
     async def close(self, uids: list[int], abort: bool) -> None:
@@ -140,6 +139,7 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
+        frontend.metrics.failed_requests += 1
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
@@ -247,7 +247,7 @@ def create_app(
                 choice = choices[delta.uid]
                 frontend.record(choice, delta)
                 choice.text.append(delta.text)
-                if delta.text or delta.finished:
+                if delta.text or delta.finished or delta.logprob is not None:
                     lp = [delta.logprob] if delta.logprob is not None else []
                     yield shape.event([shape.delta_choice(choice, delta.text, lp)])
             if usage:
@@ -272,10 +272,11 @@ class _Shape:
 
     def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, int]:
         completion = sum(c.tokens for c in choices)
+        # The n choices share one prompt, counted once (as OpenAI does).
         return {
-            "prompt_tokens": prompt_tokens * len(choices),
+            "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
-            "total_tokens": prompt_tokens * len(choices) + completion,
+            "total_tokens": prompt_tokens + completion,
         }
 
     def _logprobs(self, values: list[float], tokens: list[str]) -> Any:

@@ -57,11 +57,10 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         if self.stopped:
             return ""
-        for s in self.stop:
-            at = self.text.find(s, max(0, self.sent - len(s) + 1))
-            if at != -1:
-                self.text, self.stopped = self.text[:at], True
-                final = True
+        # Several stop strings may complete at once: the earliest one in the text wins.
+        found = [at for s in self.stop if (at := self.text.find(s, self.sent)) != -1]
+        if found:
+            self.text, self.stopped, final = self.text[: min(found)], True, True
         end = len(self.text) if final else len(self.text) - self._held_back()
         end = max(end, self.sent)
         out, self.sent = self.text[self.sent : end], end

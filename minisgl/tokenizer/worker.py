@@ -115,8 +115,9 @@ class TokenizerWorker:
             return
         text = detok.add(msg.token)
         finished, reason = msg.finished, msg.finish_reason
-        if detok.stopped and not finished:  # a stop string: end it here
-            self.to_scheduler.send(AbortMsg(msg.uid))
+        if detok.stopped:  # a stop string: the request ends here, whatever else happened
+            if not finished:
+                self.to_scheduler.send(AbortMsg(msg.uid))
             finished, reason = True, "stop"
         if finished:
             text += detok.finish()

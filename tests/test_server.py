@@ -1,0 +1,771 @@
+"""The OpenAI-compatible server end to end: a live `python -m minisgl` on CPU, the official
+`openai` client, and raw HTTP where the bytes matter.
+
+The reference for every greedy or seeded answer is the offline `LLM` in this process, on the
+same weights in fp32 with the same sampling parameters; chat prompts are rendered with the
+model's chat template and tokenized without added special tokens, as the tokenizer worker
+does. One server serves the API tests; the shutdown tests start their own, in parallel.
+
+Every process runs torch on one thread: the test machine has two cores shared with other
+jobs, and oversubscribed threads make a decode step several times slower.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import torch
+from helpers import SMOL, need
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+from minisgl.tokenizer.tokenizer import Tokenizer
+
+try:
+    import httpx
+except ModuleNotFoundError:  # the openai client may come with the httpx2 fork instead
+    import httpx2 as httpx
+
+MODEL = SMOL.name  # the served name: the model folder's
+CONTEXT = 256  # --max-seq-len-override: a too-long prompt is cheap to write
+PROMPT = "The capital of France is"  # greedy: " Paris.\n\nThe answer ..."
+MAX = 6
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT_MAX = 8  # greedy: "The capital of France is Paris." and <|im_end|>
+START_TIMEOUT = 180.0  # loading the model on a busy two-core machine
+
+
+# ---- servers ------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base: str
+    log: Path
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(log_dir: Path, *extra: str) -> Server:
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu",
+        "--dtype", "float32", "--port", str(port), "--max-seq-len-override", str(CONTEXT),
+        *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    log = log_dir / f"server-{port}.log"
+    with log.open("wb") as out:
+        # Its own session, so that a SIGINT to its process group is a terminal's Ctrl-C.
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def wait_ready(server: Server, timeout: float = START_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"the server exited with {server.proc.returncode}:\n{server.tail()}")
+        try:
+            if httpx.get(server.base + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server was not healthy after {timeout:.0f} s:\n{server.tail()}")
+
+
+def stop(server: Server, pids: list[int]) -> None:
+    """The finalizer: end the server whatever state a test left it in."""
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    try:
+        import psutil
+    except ModuleNotFoundError:
+        psutil = None
+    if psutil is not None:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            for child in map(int, children.read_text().split()):
+                out.append(child)
+                todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running; a zombie counts as gone (a container's init may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def socket_paths(pid: int) -> dict[str, set[str]]:
+    """Paths of the unix sockets a process holds (zmq's ipc:// endpoints), by path."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    paths: dict[str, set[str]] = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes:
+            paths.setdefault(fields[7], set()).add(fields[6])
+    return paths
+
+
+def ipc_dir(pid: int) -> Path:
+    """The private socket folder of the server whose launcher is `pid`."""
+    dirs = {Path(p).parent for p in socket_paths(pid) if Path(p).parent.name.startswith("minisgl-")}
+    assert len(dirs) == 1, f"expected one minisgl-* socket folder, found {dirs}"
+    return dirs.pop()
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+# ---- fixtures -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    need(SMOL)
+    srv = launch(tmp_path_factory.mktemp("server"))
+    pids: list[int] = []
+    try:
+        wait_ready(srv)
+        pids = descendants(srv.proc.pid)
+        yield srv
+    finally:
+        stop(srv, pids)
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=300, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(need(SMOL))
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    torch.set_num_threads(1)
+    engine = LLM(
+        str(need(SMOL)), dtype=torch.float32, device="cpu", max_seq_len_override=CONTEXT,
+        num_page_override=2048, max_running_req=32, cuda_graph_max_bs=0,
+    )
+    yield engine
+    engine.shutdown()
+
+
+_offline: dict[tuple, dict[str, Any]] = {}
+
+
+def offline(llm: LLM, prompt: str | list[int], max_tokens: int, **params: Any) -> dict[str, Any]:
+    """The offline LLM's answer for one prompt (memoised: several tests share a reference)."""
+    ids = prompt if isinstance(prompt, str) else tuple(prompt)
+    key = (ids, max_tokens, *sorted(params.items()))
+    if key not in _offline:
+        sp = SamplingParams(max_tokens=max_tokens, **params)
+        _offline[key] = llm.generate([prompt], sp, use_tqdm=False)[0]
+    return _offline[key]
+
+
+def chat_ids(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+
+
+def metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs and no KV page is held; returns the last sample."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = m["minisgl_num_requests_running"] == 0 and m["minisgl_kv_pages_in_use"] == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.25)
+
+
+# ---- completions and chat: the same tokens as offline -------------------------------------
+
+
+def test_completion_matches_offline(client, llm, tok):
+    ref = offline(llm, PROMPT, MAX)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0, logprobs=1
+    )
+    (choice,) = out.choices
+    assert choice.text == ref["text"]
+    assert choice.finish_reason == ref["finish_reason"] == "length"
+    assert out.usage.prompt_tokens == len(tok.encode(PROMPT))
+    assert out.usage.completion_tokens == len(ref["token_ids"]) == MAX
+    assert out.usage.total_tokens == out.usage.prompt_tokens + MAX
+    assert out.model == MODEL and out.object == "text_completion"
+    lp = choice.logprobs
+    assert len(lp.token_logprobs) == len(lp.tokens) == MAX
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs)
+    assert "".join(lp.tokens) == choice.text  # no special token among these six
+
+
+def test_completion_stream_matches_offline(client, llm, tok):
+    ref = offline(llm, PROMPT, MAX)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *body, last = chunks
+    assert last.choices == [] and last.usage is not None, "include_usage: a final usage chunk"
+    assert last.usage.prompt_tokens == len(tok.encode(PROMPT))
+    assert last.usage.completion_tokens == MAX
+    assert all(c.usage is None for c in body)
+    assert "".join(c.choices[0].text for c in body) == ref["text"]
+    assert [c.choices[0].finish_reason for c in body][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+
+
+def test_completion_token_id_prompt(client, llm, tok):
+    ids = tok.encode(PROMPT)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=MAX, temperature=0)
+    assert out.choices[0].text == offline(llm, PROMPT, MAX)["text"]
+    assert out.usage.prompt_tokens == len(ids)
+
+
+def test_chat_matches_offline(client, llm, tok):
+    ids = chat_ids(tok, CHAT)
+    ref = offline(llm, ids, CHAT_MAX)
+    out = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=CHAT_MAX, temperature=0, logprobs=True
+    )
+    (choice,) = out.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref["text"]
+    assert choice.finish_reason == ref["finish_reason"]
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.usage.completion_tokens == len(ref["token_ids"])
+    assert out.object == "chat.completion"
+    content = choice.logprobs.content
+    assert len(content) == len(ref["token_ids"])
+    assert all(t.logprob <= 0 for t in content)
+
+
+def test_chat_stream_matches_offline(client, llm, tok):
+    ids = chat_ids(tok, CHAT)
+    ref = offline(llm, ids, CHAT_MAX)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_completion_tokens=CHAT_MAX, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    *body, last = chunks
+    assert body[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in body) == ref["text"]
+    assert body[-1].choices[0].finish_reason == ref["finish_reason"]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert last.choices == []
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (
+        len(ids),
+        len(ref["token_ids"]),
+    )
+
+
+def test_stream_is_server_sent_events(server, llm):
+    """The raw bytes: `data: {json}` events, each ended by a blank line, then [DONE]."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        raw = b"".join(r.iter_raw())
+    assert raw.endswith(b"\n\ndata: [DONE]\n\n"), raw[-200:]
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    text = ""
+    for event in events[:-2]:
+        assert event.startswith(b"data: ") and b"\n" not in event, event
+        chunk = json.loads(event[len(b"data: ") :])
+        assert chunk["object"] == "text_completion" and chunk["model"] == MODEL
+        text += chunk["choices"][0]["text"]
+    assert text == offline(llm, PROMPT, MAX)["text"]
+
+
+# ---- stop strings, logprobs, n, seeds, penalties ------------------------------------------
+
+
+def split_stop(llm: LLM, tok: Tokenizer) -> tuple[str, str]:
+    """A stop string across the first two tokens' boundary, and the text before it."""
+    ref = offline(llm, PROMPT, MAX)
+    first = tok.decode(ref["token_ids"][:1])
+    assert len(first) >= 2, first
+    stop = ref["text"][len(first) - 2 : len(first) + 1]  # " Paris" + "." -> "is."
+    assert ref["text"].find(stop) == len(first) - 2, (ref["text"], stop)
+    return stop, ref["text"][: len(first) - 2]
+
+
+def test_stop_string_across_tokens(client, llm, tok):
+    stop, before = split_stop(llm, tok)
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0, stop=[stop, "never seen"]
+    )
+    assert out.choices[0].text == before
+    assert stop not in out.choices[0].text
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == 2  # generation ended at the token completing it
+
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=CHAT_MAX, temperature=0, stream=True, stop="Paris"
+    )
+    chunks = list(chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    ref = offline(llm, chat_ids(tok, CHAT), CHAT_MAX)["text"]
+    assert "Paris" in ref, ref
+    assert text == ref[: ref.find("Paris")]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_stop_string_on_the_last_allowed_token(client, llm, tok):
+    ref = offline(llm, PROMPT, MAX)
+    first = tok.decode(ref["token_ids"][:1])
+    stop = ref["text"][len(first)]  # the second token's first character: "."
+    assert stop not in first
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, stop=[stop]
+    )
+    assert out.choices[0].text == first
+    assert out.choices[0].finish_reason == "stop", (
+        "BUG: a stop string matched on the request's last allowed token reports finish_reason "
+        f"{out.choices[0].finish_reason!r}; the text was cut at the stop string, so it is 'stop' "
+        "(tokenizer/worker.py handle_token keeps the scheduler's 'length' when `finished`)"
+    )
+
+
+def test_streamed_logprobs_cover_every_token(client):
+    # " Paris!" never matches, but " Paris" could begin it, so that token's text is held back
+    # and sent with the next one; its log-probability must not be lost on the way.
+    stream = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, stream=True,
+        stop=[" Paris!"], stream_options={"include_usage": True},
+    )
+    values, usage = [], None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                values += c.logprobs.token_logprobs
+    assert usage is not None and usage.completion_tokens == 3
+    assert all(v <= 0 for v in values)
+    assert len(values) == usage.completion_tokens, (
+        f"BUG: a stream of {usage.completion_tokens} tokens carried {len(values)} logprobs: "
+        "api_server.py stream() only yields an event when the delta has text, so a token "
+        "whose text is held back (stop-string prefix, partial UTF-8) loses its logprob"
+    )
+
+
+def test_n_and_seed(client, llm, tok):
+    params = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=1.0, seed=1234, n=2)
+    first = client.completions.create(**params)
+    again = client.completions.create(**params)
+    assert [c.index for c in first.choices] == [0, 1]
+    texts = [c.text for c in first.choices]
+    assert texts == [c.text for c in again.choices], "same seed, same text"
+    assert all(c.finish_reason == "length" for c in first.choices)
+    assert first.usage.completion_tokens == 10
+    # Choice i is sampled with seed + i; the offline LLM with those seeds agrees.
+    for i, text in enumerate(texts):
+        assert text == offline(llm, PROMPT, 5, temperature=1.0, seed=1234 + i)["text"]
+
+
+def test_usage_counts_the_prompt_once_with_n(client, tok):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, n=2)
+    assert len(out.choices) == 2
+    assert out.usage.completion_tokens == 2
+    assert out.usage.prompt_tokens == len(tok.encode(PROMPT)), (
+        f"BUG: usage.prompt_tokens is {out.usage.prompt_tokens} for a "
+        f"{len(tok.encode(PROMPT))}-token prompt with n=2; OpenAI (and vLLM, SGLang) count the "
+        "prompt once (api_server.py _Shape.usage multiplies it by the number of choices)"
+    )
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 1.5}],
+    ids=lambda p: next(iter(p)),
+)
+def test_penalties_change_greedy_output(client, llm, penalty):
+    plain = offline(llm, PROMPT, MAX)["text"]
+    ref = offline(llm, PROMPT, MAX, **penalty)["text"]
+    openai_args = {k: v for k, v in penalty.items() if k != "repetition_penalty"}
+    extra = {k: v for k, v in penalty.items() if k == "repetition_penalty"}
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0, extra_body=extra,
+        **openai_args,
+    )
+    assert out.choices[0].text == ref
+    assert ref != plain, "the penalty must change this prompt's greedy output"
+
+
+# ---- many clients at once -----------------------------------------------------------------
+
+TOPICS = [
+    "sun", "moon", "ocean", "forest", "river", "mountain", "desert", "city", "village", "garden",
+    "library", "kitchen", "winter", "summer", "train", "bridge", "castle", "island", "school",
+    "market", "museum", "harbor", "storm", "rainbow", "piano", "guitar", "doctor", "farmer",
+    "teacher", "robot", "planet", "volcano",
+]
+
+
+def test_32_concurrent_streams(server, llm):
+    prompts = [f"The {topic} is" for topic in TOPICS]
+    refs = llm.generate(prompts, SamplingParams(max_tokens=8), use_tqdm=False)
+    aclient = openai.AsyncOpenAI(
+        base_url=server.base + "/v1", api_key="none", timeout=600, max_retries=0
+    )
+
+    async def one(prompt: str) -> tuple[str, str | None]:
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        )
+        parts, reason = [], None
+        async for chunk in stream:
+            parts.append(chunk.choices[0].text)
+            reason = chunk.choices[0].finish_reason or reason
+        return "".join(parts), reason
+
+    async def all_of_them() -> list[tuple[str, str | None]]:
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_of_them())
+    for prompt, ref, (text, reason) in zip(prompts, refs, results):
+        assert (text, reason) == (ref["text"], ref["finish_reason"]), prompt
+
+
+# ---- bad input: a 400 (or 404) with an OpenAI error body, and the server keeps serving ---
+
+BAD = [
+    ("completions", "malformed-json", b'{"model": "m", "prompt": ', None),
+    ("chat/completions", "malformed-json", b'{"model": "m", "messages": [}', None),
+    ("completions", "no-prompt", {"model": MODEL}, "prompt"),
+    ("chat/completions", "no-messages", {"model": MODEL}, "messages"),
+    ("completions", "no-model", {"prompt": "Hi"}, "model"),
+    ("chat/completions", "no-model", {"messages": CHAT}, "model"),
+    ("completions", "max-tokens-abc", {"model": MODEL, "prompt": "Hi", "max_tokens": "abc"},
+     "max_tokens"),
+    ("chat/completions", "messages-string", {"model": MODEL, "messages": "Hi"}, "messages"),
+    ("chat/completions", "messages-empty", {"model": MODEL, "messages": []}, "messages"),
+    ("completions", "max-tokens-0", {"model": MODEL, "prompt": "Hi", "max_tokens": 0},
+     "max_tokens"),
+    ("chat/completions", "max-tokens-neg", {"model": MODEL, "messages": CHAT, "max_tokens": -1},
+     "max_tokens"),
+    ("completions", "temperature-neg", {"model": MODEL, "prompt": "Hi", "temperature": -0.5},
+     "temperature"),
+    ("completions", "top-p-0", {"model": MODEL, "prompt": "Hi", "top_p": 0}, "top_p"),
+    ("chat/completions", "top-p-1.5", {"model": MODEL, "messages": CHAT, "top_p": 1.5}, "top_p"),
+    ("completions", "n-0", {"model": MODEL, "prompt": "Hi", "n": 0}, "n"),
+    ("completions", "empty-prompt", {"model": MODEL, "prompt": ""}, "prompt"),
+    ("completions", "empty-ids", {"model": MODEL, "prompt": []}, "prompt"),
+    ("completions", "ids-outside-vocab", {"model": MODEL, "prompt": [1, 10**9]}, "prompt"),
+    ("completions", "repetition-penalty-0",
+     {"model": MODEL, "prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("chat/completions", "repetition-penalty-neg",
+     {"model": MODEL, "messages": CHAT, "repetition_penalty": -1.0}, "repetition_penalty"),
+]
+
+
+def check_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    return err
+
+
+@pytest.mark.parametrize(
+    "path,payload,param", [(p, b, q) for p, _, b, q in BAD], ids=[f"{p}-{i}" for p, i, *_ in BAD]
+)
+def test_bad_input_is_a_400(server, path, payload, param):
+    url = f"{server.base}/v1/{path}"
+    if isinstance(payload, bytes):
+        r = httpx.post(url, content=payload, headers={"content-type": "application/json"})
+    else:
+        r = httpx.post(url, json=payload, timeout=60)
+    err = check_error(r, 400)
+    if param is not None:
+        assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_prompt_longer_than_the_context(server, tok, stream):
+    prompt = "hello " * 300
+    n = len(tok.encode(prompt))
+    assert n > CONTEXT
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
+    err = check_error(httpx.post(server.base + "/v1/completions", json=body, timeout=60), 400)
+    assert str(n) in err["message"] and str(CONTEXT) in err["message"], err
+
+
+def test_unknown_model_is_a_404(server):
+    r = httpx.post(
+        server.base + "/v1/chat/completions",
+        json={"model": "no-such-model", "messages": CHAT},
+        timeout=60,
+    )
+    err = check_error(r, 404)
+    assert err["param"] == "model" and err["code"] == "model_not_found"
+    assert "no-such-model" in err["message"]
+
+
+def test_openai_client_raises_on_bad_input(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hi", temperature=-1)
+    assert e.value.status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="Hi")
+
+
+def test_serves_after_bad_input(server, client, llm):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0)
+    assert out.choices[0].text == offline(llm, PROMPT, MAX)["text"]
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+# ---- clients that hang up -----------------------------------------------------------------
+
+
+def test_disconnected_streams_free_their_pages(server, client, llm):
+    good = ["The sun is", "The moon is", "The river is", "The garden is"]
+    refs = llm.generate(good, SamplingParams(max_tokens=8), use_tqdm=False)
+
+    def finish(prompt: str) -> str:
+        stream = client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        )
+        return "".join(chunk.choices[0].text for chunk in stream)
+
+    def hang_up(i: int) -> int:
+        body = {
+            "model": MODEL, "prompt": f"Tell me a long story about dragon number {i}.",
+            "max_tokens": 64, "temperature": 0, "stream": True,
+        }
+        seen = 0
+        with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen == 2:
+                    break  # leaving the block closes the connection mid-stream
+        return seen
+
+    with ThreadPoolExecutor(8) as pool:
+        finished = [pool.submit(finish, p) for p in good]
+        dropped = [pool.submit(hang_up, i) for i in range(4)]
+        assert [f.result() for f in dropped] == [2] * 4
+        assert [f.result() for f in finished] == [r["text"] for r in refs]
+    m = wait_idle(server)
+    assert m["minisgl_num_requests_running"] == 0, m
+    assert m["minisgl_kv_pages_in_use"] == 0, m
+    assert m["minisgl_num_requests_waiting"] == 0, m
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+# ---- models and metrics -------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    body = httpx.get(server.base + "/v1/models").json()
+    assert body["object"] == "list" and body["data"][0]["object"] == "model"
+
+
+SAMPLE = re.compile(r'^[a-z_:][a-z0-9_:]*(\{le="[^"]+"\})? -?[0-9.e+-]+$')
+
+
+def test_metrics_are_prometheus_text(server, client, tok):
+    before = metrics(server)
+    for _ in range(2):  # the second run finds the prompt in the prefix cache
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 10
+    while (after := metrics(server))["minisgl_cached_tokens_total"] == before[
+        "minisgl_cached_tokens_total"
+    ] and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+    r = httpx.get(server.base + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    types = {}
+    for line in r.text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            types[name] = kind
+        elif not line.startswith("# HELP "):
+            assert SAMPLE.match(line), line
+    expected = {
+        "minisgl_requests_total": "counter",
+        "minisgl_prompt_tokens_total": "counter",
+        "minisgl_generation_tokens_total": "counter",
+        "minisgl_cached_tokens_total": "counter",
+        "minisgl_num_requests_running": "gauge",
+        "minisgl_num_requests_waiting": "gauge",
+        "minisgl_kv_pages_in_use": "gauge",
+        "minisgl_time_to_first_token_seconds": "histogram",
+        "minisgl_time_per_output_token_seconds": "histogram",
+    }
+    assert expected.items() <= types.items(), types
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    assert grew("minisgl_requests_total") == 2
+    assert grew("minisgl_prompt_tokens_total") == 2 * len(tok.encode(PROMPT))
+    assert grew("minisgl_generation_tokens_total") == 4
+    assert grew("minisgl_cached_tokens_total") > 0
+    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
+        name = f"minisgl_{hist}"
+        assert grew(f"{name}_count") == 2
+        assert after[f"{name}_sum"] > before[f"{name}_sum"]
+        buckets = [v for k, v in after.items() if k.startswith(f"{name}_bucket")]
+        assert buckets == sorted(buckets) and buckets[-1] == after[f"{name}_count"]
+
+
+# ---- shutting down ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def spares(tmp_path_factory) -> Iterator[list[Server]]:
+    """Three more servers, started together: one for each way of ending."""
+    need(SMOL)
+    log_dir = tmp_path_factory.mktemp("spares")
+    servers = [launch(log_dir, "--num-pages", "256") for _ in range(3)]
+    trees: dict[int, list[int]] = {}
+    try:
+        for s in servers:
+            wait_ready(s)
+            trees[s.proc.pid] = descendants(s.proc.pid)
+        yield servers
+    finally:
+        for s in servers:
+            stop(s, trees.get(s.proc.pid, []))
+
+
+def check_stops(server: Server, send: Any) -> None:
+    pid = server.proc.pid
+    tree = [pid, *descendants(pid)]
+    assert len(tree) >= 3, f"launcher, scheduler and tokenizer: got {tree}"
+    folder = ipc_dir(pid)
+    assert folder.parent == Path(tempfile.gettempdir()) and folder.is_dir()
+    assert folder.stat().st_mode & 0o777 == 0o700, oct(folder.stat().st_mode)
+    send(pid)
+    started = time.monotonic()
+    try:
+        server.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server still runs 10 s after the signal:\n{server.tail()}")
+    left = wait_gone(tree, 10 - (time.monotonic() - started))
+    assert not left, f"processes left {time.monotonic() - started:.1f} s after the signal: {left}"
+    assert not folder.exists(), f"{folder} is left behind"
+
+
+def test_sigterm_stops_every_process(spares):
+    check_stops(spares[0], lambda pid: os.kill(pid, signal.SIGTERM))
+
+
+def test_ctrl_c_stops_every_process(spares):
+    # A terminal's Ctrl-C: SIGINT to the whole foreground process group.
+    check_stops(spares[1], lambda pid: os.killpg(pid, signal.SIGINT))
+
+
+def test_dead_worker_makes_the_server_exit(spares):
+    server = spares[2]
+    pid = server.proc.pid
+    tree = [pid, *descendants(pid)]
+    folder = ipc_dir(pid)
+    scheduler = [p for p in tree[1:] if (folder / "scheduler").as_posix() in socket_paths(p)]
+    assert len(scheduler) == 1, f"the process bound to {folder / 'scheduler'}: {scheduler}"
+    # The launcher notices a dead worker within half a second and then closes its port, so
+    # a poll could miss the 503. Freeze the launcher, kill the scheduler, queue a /health
+    # request on the frozen server's socket, and let it go on.
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        os.kill(scheduler[0], signal.SIGKILL)
+        assert not wait_gone(scheduler, 10)
+        with ThreadPoolExecutor(1) as pool:
+            health = pool.submit(httpx.get, server.base + "/health", timeout=30)
+            time.sleep(0.5)  # the request is in the socket's queue now
+            os.kill(pid, signal.SIGCONT)
+            r = health.result()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    try:
+        code = server.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server still runs 10 s after its scheduler died:\n{server.tail()}")
+    assert code != 0
+    assert not wait_gone(tree, 10)
+    assert not folder.exists()
