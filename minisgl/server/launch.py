@@ -29,6 +29,7 @@ from minisgl.server.args import ServerArgs, parse_args
 from minisgl.tokenizer.worker import Limits, run_tokenizer_worker
 
 logger = logging.getLogger("minisgl")
+UNHEALTHY_GRACE_S = 2.0  # how long a server with a dead worker reports 503 before exiting
 
 
 def _ignore_sigint(target: Any, *args: Any) -> None:
@@ -111,6 +112,8 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         while not server.should_exit:
             if (proc := tree.dead()) is not None:
                 logger.error("%s exited with code %s: shutting down", proc.name, proc.exitcode)
+                # Answer /health with 503 for a moment, so that monitors see why we go.
+                await asyncio.sleep(UNHEALTHY_GRACE_S)
                 exit_code, server.should_exit = 1, True
             await asyncio.sleep(0.5)
 
