@@ -19,14 +19,28 @@ import torch
 # Published configurations (the numbers that decide speed), by name.
 SHAPES = {
     "qwen3-0.6b": dict(
-        arch="Qwen3ForCausalLM", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-        tie_word_embeddings=True, max_position_embeddings=40960,
+        arch="Qwen3ForCausalLM",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
     ),
     "smollm2-135m": dict(
-        arch="LlamaForCausalLM", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-        num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-        tie_word_embeddings=True, max_position_embeddings=8192,
+        arch="LlamaForCausalLM",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
     ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")

@@ -10,7 +10,7 @@ import torch
 @dataclass
 class EngineConfig:
     model_path: str
-    dtype: torch.dtype | None = None  # None: the checkpoint's dtype (bf16 when it names none)
+    dtype: torch.dtype | None = None  # None: fp32 on CPU; on GPU the checkpoint's (else bf16)
     device: str = "auto"  # "auto" picks CUDA when present
     max_running_req: int = 256
     num_page_override: int | None = None  # KV pages; None sizes the pool from a memory budget
