@@ -24,7 +24,7 @@ models: setup
 	$(BIN)/python tools/prepare_models.py
 
 test: models
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 	$(BIN)/python tools/steps.py check --no-tests
 
 steps: models
