@@ -83,11 +83,15 @@ class Setup:
             for r in reqs:
                 n, row, length = r.extend_len, r.table_idx, r.device_len
                 expected = dense_attention(
-                    self.q[layer, row, :length], self.k[layer, row, :length],
+                    self.q[layer, row, :length],
+                    self.k[layer, row, :length],
                     self.v[layer, row, :length],
                 )[length - n :]
                 torch.testing.assert_close(
-                    out[start : start + n], expected, rtol=0, atol=1e-5,
+                    out[start : start + n],
+                    expected,
+                    rtol=0,
+                    atol=1e-5,
                     msg=lambda m, r=r, layer=layer: f"{r} layer {layer}: {m}",
                 )
                 start += n

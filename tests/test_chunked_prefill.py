@@ -60,8 +60,13 @@ class Recorder:
         sched.engine.forward_batch = record  # type: ignore[method-assign]
 
     def prefill_chunks(self, uid: int) -> list[tuple[int, bool]]:
-        return [(n, last) for phase, rows in self.batches if phase == "prefill"
-                for u, n, last in rows if u == uid]
+        return [
+            (n, last)
+            for phase, rows in self.batches
+            if phase == "prefill"
+            for u, n, last in rows
+            if u == uid
+        ]
 
     def emitting_runs(self, uid: int) -> int:
         """Forwards of `uid` that produce a real token: last chunks and decode steps."""
@@ -71,8 +76,14 @@ class Recorder:
 def make_scheduler(page_size: int, budget: int, **kw) -> Scheduler:
     kw.setdefault("num_page_override", 1024 // page_size)
     config = SchedulerConfig(
-        str(SMOL), dtype=torch.float32, device="cpu", max_seq_len_override=256,
-        max_running_req=8, page_size=page_size, max_prefill_length=budget, cache_type="naive",
+        str(SMOL),
+        dtype=torch.float32,
+        device="cpu",
+        max_seq_len_override=256,
+        max_running_req=8,
+        page_size=page_size,
+        max_prefill_length=budget,
+        cache_type="naive",
         **kw,
     )
     return Scheduler(config, {2})
@@ -123,8 +134,9 @@ def test_chunked_outputs_equal_hf(corpus, budget: int, page_size: int) -> None:
     out = run(sched, msgs)
     for msg, ids, n in zip(msgs, prompts, max_tokens):
         got = check_request(out, msg)
-        assert got == reference(ids, n), f"budget {budget}, page {page_size}: prompt of "\
-            f"{len(ids)} tokens differs from HF alone"
+        assert got == reference(ids, n), (
+            f"budget {budget}, page {page_size}: prompt of {len(ids)} tokens differs from HF alone"
+        )
     for phase, rows in rec.batches:
         if phase == "prefill":
             total = sum(n for _, n, _ in rows)

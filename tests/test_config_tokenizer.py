@@ -242,9 +242,7 @@ def test_special_token_text_is_one_token(tok: Tokenizer, hf_tok) -> None:
 @pytest.mark.parametrize("skip", [True, False])
 def test_decode_matches_transformers(tok: Tokenizer, hf_tok, text: str, skip: bool) -> None:
     ids = hf_tok.encode(text)
-    assert tok.decode(ids, skip_special_tokens=skip) == hf_tok.decode(
-        ids, skip_special_tokens=skip
-    )
+    assert tok.decode(ids, skip_special_tokens=skip) == hf_tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_decode_skips_special_tokens(tok: Tokenizer, hf_tok) -> None:

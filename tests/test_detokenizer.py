@@ -139,9 +139,7 @@ def test_the_earliest_of_several_stop_strings_wins(tok):
 
 def held_back(text: str, stops: list[str]) -> int:
     """The specification: the longest tail of the text that begins some stop string."""
-    return max(
-        (n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0
-    )
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
 def test_possible_stop_prefix_is_held_back_then_released(tok):

@@ -74,8 +74,10 @@ def test_store_overwrites_in_place() -> None:
     pool.store_kv(torch.ones(4, KV_HEADS, HEAD_DIM), torch.ones(4, KV_HEADS, HEAD_DIM), slots, 0)
     view = pool.k_cache(0)
     pool.store_kv(
-        torch.full((1, KV_HEADS, HEAD_DIM), 7.0), torch.zeros(1, KV_HEADS, HEAD_DIM),
-        slots[1:2], 0,
+        torch.full((1, KV_HEADS, HEAD_DIM), 7.0),
+        torch.zeros(1, KV_HEADS, HEAD_DIM),
+        slots[1:2],
+        0,
     )
     # a view taken before the store sees the new value: k_cache is not a copy
     assert view[int(slots[1])].eq(7.0).all()

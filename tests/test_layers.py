@@ -45,16 +45,17 @@ def _hf_rope(head_dim: int, theta: float, max_pos: int, q, k, positions):
     )
 
     config = LlamaConfig(
-        hidden_size=head_dim * q.size(1), num_attention_heads=q.size(1), head_dim=head_dim,
-        num_key_value_heads=k.size(1), max_position_embeddings=max_pos,
+        hidden_size=head_dim * q.size(1),
+        num_attention_heads=q.size(1),
+        head_dim=head_dim,
+        num_key_value_heads=k.size(1),
+        max_position_embeddings=max_pos,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
     )
     rope = LlamaRotaryEmbedding(config)
     # HF layout: [batch, heads, seq, head_dim]; one batch row holding our tokens in order.
     cos, sin = rope(q, positions[None, :].long())
-    q_hf, k_hf = apply_rotary_pos_emb(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin
-    )
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     return q_hf[0].transpose(0, 1), k_hf[0].transpose(0, 1)
 
 

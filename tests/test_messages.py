@@ -42,12 +42,26 @@ from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.tokenizer import Tokenizer
 
 PARAMS = SamplingParams(
-    temperature=0.7, top_k=40, top_p=0.9, max_tokens=12, ignore_eos=True, stop_token_ids=[2, 7],
-    seed=2**62, presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.3,
+    temperature=0.7,
+    top_k=40,
+    top_p=0.9,
+    max_tokens=12,
+    ignore_eos=True,
+    stop_token_ids=[2, 7],
+    seed=2**62,
+    presence_penalty=0.5,
+    frequency_penalty=-1.5,
+    repetition_penalty=1.3,
     logprobs=True,
 )
-STATS = SchedulerStats(running=3, queued=1, kv_pages_total=512, kv_pages_in_use=40,
-                       cached_tokens_total=17, preemptions_total=2)
+STATS = SchedulerStats(
+    running=3,
+    queued=1,
+    kv_pages_total=512,
+    kv_pages_in_use=40,
+    cached_tokens_total=17,
+    preemptions_total=2,
+)
 
 MESSAGES = [
     UserMsg(7, [1, 2, 3, 49151], PARAMS),
@@ -210,8 +224,13 @@ def tok() -> Tokenizer:
 def scheduler(tok: Tokenizer) -> Iterator[Scheduler]:
     torch.set_num_threads(1)  # the test machine's cores are shared
     config = SchedulerConfig(
-        str(SMOL), dtype=torch.float32, device="cpu", max_seq_len_override=MAX_SEQ_LEN,
-        num_page_override=256, max_running_req=4, cuda_graph_max_bs=0,
+        str(SMOL),
+        dtype=torch.float32,
+        device="cpu",
+        max_seq_len_override=MAX_SEQ_LEN,
+        num_page_override=256,
+        max_running_req=4,
+        cuda_graph_max_bs=0,
     )
     s = Scheduler(config, tok.eos_token_ids)
     yield s

@@ -223,8 +223,14 @@ def test_abort_under_overlap_frees_everything(monkeypatch, prompts) -> None:
 @pytest.mark.parametrize("cache_type", ["naive", "radix"])
 def test_preemption_under_overlap(monkeypatch, prompts, cache_type: str) -> None:
     # 8 pages of 4 tokens for requests that want about 16 at once.
-    sched = make_scheduler(monkeypatch, True, max_running_req=4, page_size=4,
-                           num_page_override=8, cache_type=cache_type)
+    sched = make_scheduler(
+        monkeypatch,
+        True,
+        max_running_req=4,
+        page_size=4,
+        num_page_override=8,
+        cache_type=cache_type,
+    )
     work = [(ids, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)) for ids in prompts[3:7]]
     out, uids = run(sched, work, later_at=0)
     assert sched.num_preemptions > 0, "the pool was never short: the test proves nothing"

@@ -111,8 +111,9 @@ def test_split_in_the_middle_of_an_edge(page_size: int) -> None:
     other = ids(1, 2, 3, 4, 5, 60, 61, 62)
     at = 5 // page_size * page_size
     assert cache.insert(other, seq(200, 8)) == at
-    assert edges(cache) == sorted([list(range(1, at + 1)), list(range(at + 1, 9)),
-                                   other[at:].tolist()])
+    assert edges(cache) == sorted(
+        [list(range(1, at + 1)), list(range(at + 1, 9)), other[at:].tolist()]
+    )
     for key in edges(cache):
         assert len(key) % page_size == 0
     assert cache.match_prefix(seq(1, 8)).slots.tolist() == seq(100, 8).tolist()
@@ -225,8 +226,14 @@ def reference(tokens: list[int], n: int = MAX_NEW) -> list[int]:
 
 def make_scheduler(page_size: int, num_pages: int, **kw) -> Scheduler:
     config = SchedulerConfig(
-        str(SMOL), dtype=torch.float32, device="cpu", max_seq_len_override=256,
-        max_running_req=8, page_size=page_size, num_page_override=num_pages, cache_type="radix",
+        str(SMOL),
+        dtype=torch.float32,
+        device="cpu",
+        max_seq_len_override=256,
+        max_running_req=8,
+        page_size=page_size,
+        num_page_override=num_pages,
+        cache_type="radix",
         **kw,
     )
     return Scheduler(config, {2})

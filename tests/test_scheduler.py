@@ -65,8 +65,12 @@ def make_scheduler(**kw) -> Scheduler:
     kw.setdefault("max_running_req", 8)
     kw.setdefault("num_page_override", 512)
     config = SchedulerConfig(
-        str(SMOL), dtype=torch.float32, device="cpu", max_seq_len_override=MAX_SEQ_LEN,
-        cache_type="naive", **kw,
+        str(SMOL),
+        dtype=torch.float32,
+        device="cpu",
+        max_seq_len_override=MAX_SEQ_LEN,
+        cache_type="naive",
+        **kw,
     )
     return Scheduler(config, {EOS})
 

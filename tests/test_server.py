@@ -73,8 +73,19 @@ def free_port() -> int:
 def launch(log_dir: Path, *extra: str) -> Server:
     port = free_port()
     cmd = [
-        sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu",
-        "--dtype", "float32", "--port", str(port), "--max-seq-len-override", str(CONTEXT),
+        sys.executable,
+        "-m",
+        "minisgl",
+        "--model",
+        str(SMOL),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--max-seq-len-override",
+        str(CONTEXT),
         *extra,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -203,8 +214,13 @@ def tok() -> Tokenizer:
 def llm() -> Iterator[LLM]:
     torch.set_num_threads(1)
     engine = LLM(
-        str(need(SMOL)), dtype=torch.float32, device="cpu", max_seq_len_override=CONTEXT,
-        num_page_override=2048, max_running_req=32, cuda_graph_max_bs=0,
+        str(need(SMOL)),
+        dtype=torch.float32,
+        device="cpu",
+        max_seq_len_override=CONTEXT,
+        num_page_override=2048,
+        max_running_req=32,
+        cuda_graph_max_bs=0,
     )
     yield engine
     engine.shutdown()
@@ -272,7 +288,11 @@ def test_completion_stream_matches_offline(client, llm, tok):
     ref = offline(llm, PROMPT, MAX)
     chunks = list(
         client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0, stream=True,
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=MAX,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -316,7 +336,11 @@ def test_chat_stream_matches_offline(client, llm, tok):
     ref = offline(llm, ids, CHAT_MAX)
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=CHAT, max_completion_tokens=CHAT_MAX, temperature=0, stream=True,
+            model=MODEL,
+            messages=CHAT,
+            max_completion_tokens=CHAT_MAX,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
     )
@@ -405,8 +429,14 @@ def test_streamed_logprobs_cover_every_token(client):
     # " Paris!" never matches, but " Paris" could begin it, so that token's text is held back
     # and sent with the next one; its log-probability must not be lost on the way.
     stream = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, stream=True,
-        stop=[" Paris!"], stream_options={"include_usage": True},
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        logprobs=1,
+        stream=True,
+        stop=[" Paris!"],
+        stream_options={"include_usage": True},
     )
     values, usage = [], None
     for chunk in stream:
@@ -459,7 +489,11 @@ def test_penalties_change_greedy_output(client, llm, penalty):
     openai_args = {k: v for k, v in penalty.items() if k != "repetition_penalty"}
     extra = {k: v for k, v in penalty.items() if k == "repetition_penalty"}
     out = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0, extra_body=extra,
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=MAX,
+        temperature=0,
+        extra_body=extra,
         **openai_args,
     )
     assert out.choices[0].text == ref
@@ -469,10 +503,38 @@ def test_penalties_change_greedy_output(client, llm, penalty):
 # ---- many clients at once -----------------------------------------------------------------
 
 TOPICS = [
-    "sun", "moon", "ocean", "forest", "river", "mountain", "desert", "city", "village", "garden",
-    "library", "kitchen", "winter", "summer", "train", "bridge", "castle", "island", "school",
-    "market", "museum", "harbor", "storm", "rainbow", "piano", "guitar", "doctor", "farmer",
-    "teacher", "robot", "planet", "volcano",
+    "sun",
+    "moon",
+    "ocean",
+    "forest",
+    "river",
+    "mountain",
+    "desert",
+    "city",
+    "village",
+    "garden",
+    "library",
+    "kitchen",
+    "winter",
+    "summer",
+    "train",
+    "bridge",
+    "castle",
+    "island",
+    "school",
+    "market",
+    "museum",
+    "harbor",
+    "storm",
+    "rainbow",
+    "piano",
+    "guitar",
+    "doctor",
+    "farmer",
+    "teacher",
+    "robot",
+    "planet",
+    "volcano",
 ]
 
 
@@ -513,26 +575,50 @@ BAD = [
     ("chat/completions", "no-messages", {"model": MODEL}, "messages"),
     ("completions", "no-model", {"prompt": "Hi"}, "model"),
     ("chat/completions", "no-model", {"messages": CHAT}, "model"),
-    ("completions", "max-tokens-abc", {"model": MODEL, "prompt": "Hi", "max_tokens": "abc"},
-     "max_tokens"),
+    (
+        "completions",
+        "max-tokens-abc",
+        {"model": MODEL, "prompt": "Hi", "max_tokens": "abc"},
+        "max_tokens",
+    ),
     ("chat/completions", "messages-string", {"model": MODEL, "messages": "Hi"}, "messages"),
     ("chat/completions", "messages-empty", {"model": MODEL, "messages": []}, "messages"),
-    ("completions", "max-tokens-0", {"model": MODEL, "prompt": "Hi", "max_tokens": 0},
-     "max_tokens"),
-    ("chat/completions", "max-tokens-neg", {"model": MODEL, "messages": CHAT, "max_tokens": -1},
-     "max_tokens"),
-    ("completions", "temperature-neg", {"model": MODEL, "prompt": "Hi", "temperature": -0.5},
-     "temperature"),
+    (
+        "completions",
+        "max-tokens-0",
+        {"model": MODEL, "prompt": "Hi", "max_tokens": 0},
+        "max_tokens",
+    ),
+    (
+        "chat/completions",
+        "max-tokens-neg",
+        {"model": MODEL, "messages": CHAT, "max_tokens": -1},
+        "max_tokens",
+    ),
+    (
+        "completions",
+        "temperature-neg",
+        {"model": MODEL, "prompt": "Hi", "temperature": -0.5},
+        "temperature",
+    ),
     ("completions", "top-p-0", {"model": MODEL, "prompt": "Hi", "top_p": 0}, "top_p"),
     ("chat/completions", "top-p-1.5", {"model": MODEL, "messages": CHAT, "top_p": 1.5}, "top_p"),
     ("completions", "n-0", {"model": MODEL, "prompt": "Hi", "n": 0}, "n"),
     ("completions", "empty-prompt", {"model": MODEL, "prompt": ""}, "prompt"),
     ("completions", "empty-ids", {"model": MODEL, "prompt": []}, "prompt"),
     ("completions", "ids-outside-vocab", {"model": MODEL, "prompt": [1, 10**9]}, "prompt"),
-    ("completions", "repetition-penalty-0",
-     {"model": MODEL, "prompt": "Hi", "repetition_penalty": 0}, "repetition_penalty"),
-    ("chat/completions", "repetition-penalty-neg",
-     {"model": MODEL, "messages": CHAT, "repetition_penalty": -1.0}, "repetition_penalty"),
+    (
+        "completions",
+        "repetition-penalty-0",
+        {"model": MODEL, "prompt": "Hi", "repetition_penalty": 0},
+        "repetition_penalty",
+    ),
+    (
+        "chat/completions",
+        "repetition-penalty-neg",
+        {"model": MODEL, "messages": CHAT, "repetition_penalty": -1.0},
+        "repetition_penalty",
+    ),
 ]
 
 
@@ -611,8 +697,11 @@ def test_disconnected_streams_free_their_pages(server, client, llm):
 
     def hang_up(i: int) -> int:
         body = {
-            "model": MODEL, "prompt": f"Tell me a long story about dragon number {i}.",
-            "max_tokens": 64, "temperature": 0, "stream": True,
+            "model": MODEL,
+            "prompt": f"Tell me a long story about dragon number {i}.",
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": True,
         }
         seen = 0
         with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=300) as r:

@@ -28,8 +28,18 @@ PROMPT = "\n> "  # what the shell prints before each input (after its help line 
 class Shell:
     def __init__(self, log: Path) -> None:
         cmd = [
-            sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu",
-            "--dtype", "float32", "--shell", "--max-seq-len-override", "256",
+            sys.executable,
+            "-m",
+            "minisgl",
+            "--model",
+            str(SMOL),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--shell",
+            "--max-seq-len-override",
+            "256",
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.log = log

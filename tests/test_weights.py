@@ -93,7 +93,9 @@ def test_per_expert_checkpoint_is_stacked() -> None:
     assert cfg.moe is not None
     experts = model.model.layers[1].mlp.experts
     assert experts.gate_up_proj.shape == (
-        cfg.moe.num_experts, 2 * cfg.moe.intermediate_size, cfg.hidden_size
+        cfg.moe.num_experts,
+        2 * cfg.moe.intermediate_size,
+        cfg.hidden_size,
     )
     for e in range(cfg.moe.num_experts):
         prefix = f"model.layers.1.mlp.experts.{e}"
@@ -241,8 +243,13 @@ def test_logits_match_transformers(name: str) -> None:
     page_size, rows, width = 4, 2, 32
     num_pages = rows * width // page_size
     pool = MHAKVCache(
-        cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-        torch.float32, torch.device("cpu"),
+        cfg.num_layers,
+        num_pages,
+        page_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        torch.float32,
+        torch.device("cpu"),
     )
     # row r owns pages r, r + rows, r + 2 * rows, ...: interleaved, never contiguous
     table = torch.stack(
@@ -264,7 +271,10 @@ def test_logits_match_transformers(name: str) -> None:
             assert out.shape == (2, cfg.vocab_size) and out.dtype == torch.float32
             for i, r in enumerate(reqs):
                 torch.testing.assert_close(
-                    out[i], refs[i][r.device_len - 1], rtol=1e-4, atol=1e-4,
+                    out[i],
+                    refs[i][r.device_len - 1],
+                    rtol=1e-4,
+                    atol=1e-4,
                     msg=lambda m, i=i, step=step: f"{name} req {i} step {step}: {m}",
                 )
             if step == 2:
