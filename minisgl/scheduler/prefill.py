@@ -87,8 +87,9 @@ class PrefillManager:
         """Start `pending` now, or return None if the KV cache cannot take it yet."""
         match = self.cache.match(pending.input_ids)
         n = len(pending.input_ids) - match.length
-        # Cut the prompt to the budget; the rest comes in the next rounds.
-        n = min(n, budget)  # [ch10]
+        # >>> ch10 cut the prompt to the budget; the rest comes in the next rounds
+        n = min(n, budget)
+        # <<< ch10
         pages = (
             -(-(match.length + n) // self.cache.page_size) - match.length // self.cache.page_size
         )
