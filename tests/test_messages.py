@@ -230,7 +230,6 @@ def scheduler(tok: Tokenizer) -> Iterator[Scheduler]:
         max_seq_len_override=MAX_SEQ_LEN,
         num_page_override=256,
         max_running_req=4,
-        cuda_graph_max_bs=0,
     )
     s = Scheduler(config, tok.eos_token_ids)
     yield s

@@ -220,7 +220,6 @@ def llm() -> Iterator[LLM]:
         max_seq_len_override=CONTEXT,
         num_page_override=2048,
         max_running_req=32,
-        cuda_graph_max_bs=0,
     )
     yield engine
     engine.shutdown()
