@@ -43,7 +43,7 @@ def prefill(path: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     page_table = torch.zeros((1, num_pages * PAGE_SIZE), dtype=torch.int32)
     page_table[0] = page_slots(list(range(num_pages)), PAGE_SIZE)
     backend = TorchAttnBackend(pool, page_table, scale=config.head_dim**-0.5)
-    ctx = Context(PAGE_SIZE, pool, backend)
+    ctx = Context(backend)
     set_global_ctx(ctx)
 
     req = Req(torch.tensor(ids), 0, 0, 1, 0, SamplingParams())

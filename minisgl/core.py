@@ -18,7 +18,6 @@ import torch
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
-    from minisgl.kvcache.mha_pool import MHAKVCache
 
 
 @dataclass
@@ -108,6 +107,11 @@ class Req:
         return self.device_len - self.cached_len
 
     @property
+    def mid_prompt(self) -> bool:
+        """The scheduled forward stops inside the prompt (a chunk): its sampled token is moot."""
+        return self.device_len < len(self.input_ids)
+
+    @property
     def remain_len(self) -> int:
         return self.max_device_len - self.device_len
 
@@ -161,11 +165,9 @@ class Batch:
 
 
 class Context:
-    """Process-wide state of the running forward: the KV pool, the attention backend, the batch."""
+    """Process-wide state of the running forward: the attention backend and the batch."""
 
-    def __init__(self, page_size: int, kv_cache: MHAKVCache, attn_backend: BaseAttnBackend) -> None:
-        self.page_size = page_size
-        self.kv_cache = kv_cache
+    def __init__(self, attn_backend: BaseAttnBackend) -> None:
         self.attn_backend = attn_backend
         self._batch: Batch | None = None
 

@@ -47,6 +47,8 @@ class _Env:
         # Process each batch's results before launching the next (easier to debug, slower).
         self.DISABLE_OVERLAP_SCHEDULING = EnvVar.read("DISABLE_OVERLAP_SCHEDULING", False)
         # <<< ch12
+        # Use FlashInfer's fused norm / activation / rotary kernels on CUDA when installed.
+        self.FUSED_KERNELS = EnvVar.read("FUSED_KERNELS", True)  # [ch19]
 
 
 ENV = _Env()

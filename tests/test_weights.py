@@ -256,7 +256,7 @@ def test_logits_match_transformers(name: str) -> None:
         [page_slots(list(range(r, num_pages, rows)), page_size) for r in range(rows)]
     )
     backend = TorchAttnBackend(pool, table, cfg.head_dim**-0.5)
-    ctx = Context(page_size, pool, backend)
+    ctx = Context(backend)
     set_global_ctx(ctx)
     try:
         g = torch.Generator().manual_seed(0)

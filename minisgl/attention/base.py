@@ -15,6 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
+    from minisgl.kvcache.mha_pool import MHAKVCache
 
 
 class BaseAttnMetadata(ABC):
@@ -24,6 +25,26 @@ class BaseAttnMetadata(ABC):
 
 
 class BaseAttnBackend(ABC):
+    """An attention implementation. The class attributes are what the registry reads."""
+
+    name: str  # what `--attn` calls it
+    devices: tuple[str, ...]  # device types it runs on
+    supports_cuda_graphs: bool = False  # lengths read on the device, graph hooks implemented
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
+        """Why this backend cannot run with these settings; "" when it can."""
+        if device.type not in cls.devices:
+            return f"runs on {' or '.join(cls.devices)}, not {device.type}"
+        return ""
+
+    @classmethod
+    def create(
+        cls, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
+    ) -> BaseAttnBackend:
+        """The engine's way in: every backend is offered what any backend needs."""
+        return cls(kv_cache, page_table, scale)  # type: ignore[call-arg]
+
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
         """Build `batch.attn_metadata` from the batch's requests (before the forward)."""

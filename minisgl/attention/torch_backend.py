@@ -41,6 +41,12 @@ class TorchCaptureData:
 
 # <<< ch18
 class TorchAttnBackend(BaseAttnBackend):
+    name = "torch"
+    devices = ("cpu", "cuda")
+    # Its decode reads the longest length on the host, which a CUDA graph cannot replay; on
+    # CPU the graph runner's EmulatedGraph does not care, so the hooks below still serve it.
+    supports_cuda_graphs = False
+
     def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
         self.kv_cache = kv_cache
         self.page_table = page_table  # the engine's [rows, max positions] table

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.attention.registry import backend_names
+
 
 @dataclass
 class EngineConfig:
@@ -41,5 +43,8 @@ class EngineConfig:
         if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:
             raise ValueError(f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}")
         # <<< ch18
-        if self.attention_backend not in ("auto", "torch"):
-            raise ValueError(f"unknown attention backend {self.attention_backend!r} (auto, torch)")
+        if self.attention_backend not in backend_names():
+            raise ValueError(
+                f"unknown attention backend {self.attention_backend!r}; "
+                f"choose from {', '.join(backend_names())}"
+            )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention.registry import select_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner, graph_batch_sizes  # [ch18]
@@ -29,6 +29,7 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
+from minisgl.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class Engine:
         # One row per running request plus one for the dummy request; one column per
         # position of the longest sequence, plus one for the token sampled after it.
         rows = config.max_running_req + 1
-        width = -(-(self.max_seq_len + 1) // self.page_size) * self.page_size
+        width = cdiv(self.max_seq_len + 1, self.page_size) * self.page_size
         self.page_table = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
         self.token_pool = torch.zeros((rows, width), dtype=torch.int32, device=self.device)
         dummy_slots = (
@@ -85,7 +86,7 @@ class Engine:
         )
 
         self.attn_backend = self._create_backend()
-        self.ctx = Context(self.page_size, self.kv_cache, self.attn_backend)
+        self.ctx = Context(self.attn_backend)
         set_global_ctx(self.ctx)
         # >>> ch18
         self.graph_runner = GraphRunner(
@@ -100,11 +101,13 @@ class Engine:
         )
         # <<< ch18
         logger.info(
-            "engine ready in %.1fs: %s %s on %s, %d KV pages of %d tokens, max_seq_len %d",
+            "engine ready in %.1fs: %s %s on %s, %s attention, %d KV pages of %d tokens, "
+            "max_seq_len %d",
             time.perf_counter() - start,
             mc.architecture,
             self.dtype,
             self.device,
+            self.attn_backend.name,
             self.num_pages,
             self.page_size,
             self.max_seq_len,
@@ -114,13 +117,14 @@ class Engine:
         """Gather the batch's input ids, positions and KV slots, and its attention metadata."""
         self.graph_runner.pad_batch(batch)  # [ch18]
         reqs = batch.padded_reqs
-        positions = torch.cat([torch.arange(r.cached_len, r.device_len) for r in reqs])
-        rows = torch.cat([torch.full((r.extend_len,), r.table_idx) for r in reqs])
-        positions = positions.to(self.device, non_blocking=True)
-        rows = rows.to(self.device, non_blocking=True)
-        batch.positions = positions.to(torch.int32)
-        batch.input_ids = self.token_pool[rows, positions]
-        batch.out_loc = self.page_table[rows, positions]
+        rows = [r.table_idx for r in reqs for _ in range(r.extend_len)]
+        positions = [p for r in reqs for p in range(r.cached_len, r.device_len)]
+        rows_pos = torch.tensor([rows, positions])
+        rows_pos = rows_pos.to(self.device, non_blocking=True)  # one copy for both
+        rows_d, positions_d = rows_pos[0], rows_pos[1]
+        batch.positions = positions_d.to(torch.int32)
+        batch.input_ids = self.token_pool[rows_d, positions_d]
+        batch.out_loc = self.page_table[rows_d, positions_d]
         self.attn_backend.prepare_metadata(batch)
 
     @torch.inference_mode()
@@ -145,10 +149,7 @@ class Engine:
         # A request whose forward covered every token it has is done with its prompt.
         dummy_row = self.dummy_req.table_idx
         rows, cols = zip(
-            *[
-                (r.table_idx, r.device_len) if r.device_len >= len(r.input_ids) else (dummy_row, 0)
-                for r in batch.reqs
-            ]
+            *[(dummy_row, 0) if r.mid_prompt else (r.table_idx, r.device_len) for r in batch.reqs]
         )
         where = torch.tensor([rows, cols]).to(self.device, non_blocking=True)
         self.token_pool[where[0], where[1]] = next_tokens
@@ -200,24 +201,28 @@ class Engine:
         else:
             budget = ENV.CPU_KV_CACHE_MB.value * 2**20
         # More pages than every row filled to the brim cannot be used.
-        useful = self.config.max_running_req * -(-self.max_seq_len // self.page_size)
+        useful = self.config.max_running_req * cdiv(self.max_seq_len, self.page_size)
         pages = min(budget // per_page, useful)
         if pages < 1:
             raise MemoryError(f"no room for a single KV page ({per_page} bytes) in {budget} bytes")
         return pages
 
     def _create_backend(self) -> BaseAttnBackend:
-        scale = self.model_config.head_dim**-0.5
-        return TorchAttnBackend(self.kv_cache, self.page_table, scale)
+        mc = self.model_config
+        cls = select_backend(self.config.attention_backend, self.device, self.dtype, self.page_size)
+        return cls.create(self.kv_cache, self.page_table, mc.head_dim**-0.5, mc.num_heads)
 
     # >>> ch18
     def _graph_batch_sizes(self) -> list[int]:
         config, on_cuda = self.config, self.device.type == "cuda"
-        torch_backend = isinstance(self.attn_backend, TorchAttnBackend)
-        if on_cuda and torch_backend and not config.debug_cuda_graph:
-            if config.cuda_graph_max_bs != 0:
-                logger.info("CUDA graphs off: the torch backend reads sequence lengths on the host")
-            return []
+        if on_cuda and not config.debug_cuda_graph:
+            blocker = self.model.cuda_graph_blocker
+            if not self.attn_backend.supports_cuda_graphs:
+                blocker = f"the {self.attn_backend.name} attention backend cannot be captured"
+            if blocker is not None:
+                if config.cuda_graph_max_bs != 0:
+                    logger.info("CUDA graphs off: %s", blocker)
+                return []
         if config.cuda_graph_bs is not None:
             return sorted(set(config.cuda_graph_bs))
         max_bs = config.cuda_graph_max_bs

@@ -101,7 +101,6 @@ class GraphRunner:
         self.attn_backend, self.dummy_req, self.device = attn_backend, dummy_req, device
         self.graph_bs_list = sorted(bs_list)
         self.max_graph_bs = max(bs_list, default=0)
-        self.debug = debug
         self.graph_map: dict[int, torch.cuda.CUDAGraph | EmulatedGraph] = {}
         self.stream = torch.cuda.Stream(device) if _is_cuda(device) and not debug else None
         if self.graph_bs_list:

@@ -27,6 +27,7 @@ class MHAKVCache:
                 f"need num_pages >= 1 and page_size >= 1, got {num_pages}, {page_size}"
             )
         self.num_pages, self.page_size = num_pages, page_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         shape = (num_layers, num_pages + 1, page_size, num_kv_heads, head_dim)
         # zeros, not empty: attention may read (and mask) stale slots, which must not be NaN
         self._k = torch.zeros(shape, dtype=dtype, device=device)
@@ -39,6 +40,13 @@ class MHAKVCache:
     @property
     def num_slots(self) -> int:
         return (self.num_pages + 1) * self.page_size
+
+    def paged(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's (keys, values), each [pages + 1, page_size, kv_heads, head_dim].
+
+        The layout paged attention kernels read directly: page ids index the first dimension.
+        """
+        return self._k[layer_id], self._v[layer_id]
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
         """[slots, kv_heads, head_dim] view of one layer's keys."""

@@ -1,9 +1,15 @@
-"""RMSNorm: scale each vector to unit root-mean-square, then by a learned weight."""
+"""RMSNorm: scale each vector to unit root-mean-square, then by a learned weight.
+
+`forward_add` also adds the residual first, the way every decoder layer uses it, so that
+a fused kernel can do both in one pass over memory.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from minisgl.layers.fused import fused_ops  # [ch19]
 
 
 class RMSNorm(nn.Module):
@@ -13,6 +19,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # >>> ch19
+        if fi := fused_ops(x):
+            return fi.norm.rmsnorm(x, self.weight, self.eps)
+        # <<< ch19
+        return self.reference(x)
+
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual). May overwrite both inputs."""
+        # >>> ch19
+        if fi := fused_ops(x):
+            fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # in place
+            return x, residual
+        # <<< ch19
+        residual = x + residual
+        return self.reference(residual), residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         # The statistics are taken in fp32 even for bf16 activations, as the reference does;
         # rounding here is where low-precision runs first drift apart.
         dtype = x.dtype

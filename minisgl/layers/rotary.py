@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from minisgl.layers.fused import fused_ops  # [ch19]
+
 
 class RotaryEmbedding:
     def __init__(self, head_dim: int, base: float, max_position: int, device: torch.device) -> None:
@@ -20,11 +22,27 @@ class RotaryEmbedding:
         positions = torch.arange(max_position, dtype=torch.float, device=device)
         angles = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
         self.cos, self.sin = angles.cos(), angles.sin()  # [max_position, head_dim]
+        # >>> ch19 FlashInfer's layout: [max_position, cos of each pair | sin of each pair]
+        half = head_dim // 2
+        self.cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1).contiguous()
+        # <<< ch19
 
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]. May rotate in place."""
+        # >>> ch19
+        if fi := fused_ops(q):
+            fi.rope.apply_rope_with_cos_sin_cache_inplace(
+                positions, q, k, q.size(-1), self.cos_sin, is_neox=True
+            )
+            return q, k
+        # <<< ch19
+        return self.reference(positions, q, k)
+
+    def reference(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

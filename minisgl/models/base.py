@@ -9,6 +9,10 @@ from torch import nn
 
 
 class BaseLLMModel(ABC, nn.Module):
+    # Why the forward cannot be captured in a CUDA graph (it reads the device on the host),
+    # or None when it can.
+    cuda_graph_blocker: str | None = None  # [ch18]
+
     @abstractmethod
     def forward(self) -> torch.Tensor:
         """Logits [padded batch size, vocab] in fp32 for the current `get_global_ctx().batch`."""

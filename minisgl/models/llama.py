@@ -53,9 +53,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added): the add of the
+        output is left to the next norm, where a fused kernel does both at once."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h, residual = self.post_attention_layernorm.forward_add(self.self_attn(h), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -66,10 +74,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x)
-        return self.norm(x)
+            x, residual = layer(x, residual)
+        return self.norm.forward_add(x, residual)[0]
 
 
 class LlamaForCausalLM(BaseLLMModel):

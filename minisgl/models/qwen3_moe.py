@@ -11,6 +11,8 @@ from minisgl.models.qwen3 import Qwen3ForCausalLM
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    cuda_graph_blocker = "the reference MoE layer counts tokens per expert on the host"  # [ch18]
+
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         if config.moe is None:
             raise ValueError("Qwen3MoeForCausalLM needs num_experts in config.json")

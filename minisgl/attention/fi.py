@@ -1,0 +1,214 @@
+"""FlashInfer attention: paged prefill and decode kernels on CUDA, and decode CUDA graphs.
+
+FlashInfer describes where a batch's K/V lives with three arrays over *pages*: `indptr`
+(request i's pages are `indices[indptr[i]:indptr[i + 1]]`), `indices` (page ids) and
+`last_page_len` (tokens in each request's last page). A wrapper's `plan()` reads the
+lengths on the host, picks how to split the work and copies the arrays to the device;
+its `run()` is then pure device work, so a decode step can be captured in a CUDA graph
+as long as `plan()` runs outside the graph before every replay.
+
+`paged_kv_layout` below needs no FlashInfer, so its arithmetic is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.utils import cdiv
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+    from minisgl.kvcache.mha_pool import MHAKVCache
+
+WORKSPACE_BYTES = 256 * 2**20  # split-KV partial results; FlashInfer recommends >= 128 MiB
+
+
+def paged_kv_layout(
+    seq_lens: list[int], rows: list[int], page_table: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(indptr [bs + 1] host, indices [pages] device, last_page_len [bs] host), int32.
+
+    Request i holds `seq_lens[i]` tokens in row `rows[i]` of the page table, which maps
+    each position to its KV slot (page * page_size + offset). The page ids are gathered on
+    the device: a batch of long sequences has hundreds of thousands of them.
+    """
+    pages = [cdiv(n, page_size) for n in seq_lens]
+    indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+    last_page_len = torch.tensor(
+        [n - (p - 1) * page_size for n, p in zip(seq_lens, pages)], dtype=torch.int32
+    )
+    device, total = page_table.device, int(indptr[-1])
+    rows_pages = torch.tensor([rows, pages], dtype=torch.int64).to(device, non_blocking=True)
+    row_of, pages_of = rows_pages[0], rows_pages[1]
+    # Which request each output entry belongs to, and its page number within that request.
+    owner = torch.repeat_interleave(
+        torch.arange(len(rows), device=device), pages_of, output_size=total
+    )
+    first = torch.cumsum(pages_of, 0) - pages_of
+    page_no = torch.arange(total, device=device) - first[owner]
+    indices = page_table[row_of[owner], page_no * page_size] // page_size
+    return indptr, indices.to(torch.int32), last_page_len
+
+
+@dataclass
+class FlashInferMetadata(BaseAttnMetadata):
+    qo_indptr: torch.Tensor  # [bs + 1] int32, device: request i's new tokens are q[qo[i]:qo[i+1]]
+    qo_indptr_host: torch.Tensor
+    kv_indptr: torch.Tensor  # [bs + 1] int32, host
+    kv_indices: torch.Tensor  # [pages] int32, device
+    kv_last_page_len: torch.Tensor  # [bs] int32, host
+    wrapper: Any = None  # the FlashInfer wrapper planned for this batch
+
+    def get_last_indices(self) -> torch.Tensor:
+        return self.qo_indptr[1:] - 1
+
+
+class FlashInferBackend(BaseAttnBackend):
+    name = "fi"
+    devices = ("cuda",)
+    supports_cuda_graphs = True
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
+        if device.type != "cuda":
+            return f"FlashInfer needs a CUDA device, and this engine runs on {device.type}"
+        if importlib.util.find_spec("flashinfer") is None:
+            return "the flashinfer package is not installed (pip install 'minisgl[gpu]')"
+        if dtype not in (torch.bfloat16, torch.float16):
+            return f"FlashInfer's kernels take bfloat16 or float16, not {dtype}"
+        return ""  # any page size
+
+    @classmethod
+    def create(
+        cls, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
+    ) -> FlashInferBackend:
+        return cls(kv_cache, page_table, scale, num_qo_heads)
+
+    def __init__(
+        self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
+    ) -> None:
+        import flashinfer
+
+        self.kv_cache, self.page_table, self.scale = kv_cache, page_table, scale
+        self.device = page_table.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # Grouped-query decode runs faster on the tensor-core (prefill) kernels once several
+        # query heads share a KV head.
+        self.use_tensor_cores = num_qo_heads // kv_cache.num_kv_heads >= 4
+        self.shape = dict(
+            num_qo_heads=num_qo_heads,
+            num_kv_heads=kv_cache.num_kv_heads,
+            page_size=kv_cache.page_size,
+            sm_scale=scale,
+            q_data_type=kv_cache.dtype,
+            kv_data_type=kv_cache.dtype,
+        )
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = self._decode_wrapper()
+        self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its own decode wrapper
+        self._last_plan: torch.cuda.Event | None = None
+
+    def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
+        import flashinfer
+
+        return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=bool(graph_buffers),
+            use_tensor_cores=self.use_tensor_cores,
+            **graph_buffers,
+        )
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        md = self._metadata(batch)
+        batch.attn_metadata = md
+        if batch.is_decode and batch.padded_size in self.graph_wrappers:
+            return  # a graph replay: the runner plans that graph's own wrapper
+        self._plan(md, self.decode_wrapper if batch.is_decode else self.prefill_wrapper)
+
+    def _metadata(self, batch: Batch) -> FlashInferMetadata:
+        reqs = batch.padded_reqs
+        qo_host = torch.tensor([0, *itertools.accumulate(r.extend_len for r in reqs)])
+        qo_host = qo_host.to(torch.int32)
+        kv_indptr, kv_indices, last_page_len = paged_kv_layout(
+            [r.device_len for r in reqs],
+            [r.table_idx for r in reqs],
+            self.page_table,
+            self.kv_cache.page_size,
+        )
+        return FlashInferMetadata(
+            qo_indptr=qo_host.to(self.device, non_blocking=True),
+            qo_indptr_host=qo_host,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_last_page_len=last_page_len,
+        )
+
+    def _plan(self, md: FlashInferMetadata, wrapper: Any) -> None:
+        # plan() stages its work split in a pinned host buffer of the wrapper and copies it
+        # to the device asynchronously. Under overlap scheduling the next plan() can come
+        # before that copy has run (it waits behind the batch on the GPU), and would
+        # overwrite the buffer under it. Waiting for the previous plan's copy is cheap: by
+        # then the host has already waited for the batch queued before it.
+        if self._last_plan is not None:
+            self._last_plan.synchronize()
+        head_dim = self.kv_cache.head_dim
+        if wrapper is self.prefill_wrapper:
+            wrapper.plan(
+                md.qo_indptr_host,
+                md.kv_indptr,
+                md.kv_indices,
+                md.kv_last_page_len,
+                head_dim_qk=head_dim,
+                causal=True,
+                **self.shape,
+            )
+        else:
+            wrapper.plan(
+                md.kv_indptr, md.kv_indices, md.kv_last_page_len, head_dim=head_dim, **self.shape
+            )
+        self._last_plan = torch.cuda.Event()
+        self._last_plan.record()
+        md.wrapper = wrapper
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        md = batch.attn_metadata
+        assert isinstance(md, FlashInferMetadata) and md.wrapper is not None
+        return md.wrapper.run(q, self.kv_cache.paged(layer_id))
+
+    # >>> ch18 CUDA-graph hooks
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        # One set of index buffers sized for the largest batch; each captured size gets a
+        # wrapper over slices of them (only one graph runs at a time).
+        max_bs, device = max(bs_list), self.device
+        pages_per_row = cdiv(self.page_table.size(1), self.kv_cache.page_size)
+        indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        indices = torch.zeros(max_bs * pages_per_row, dtype=torch.int32, device=device)
+        last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
+        for bs in bs_list:
+            self.graph_wrappers[bs] = self._decode_wrapper(
+                paged_kv_indptr_buffer=indptr[: bs + 1],
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len[:bs],
+            )
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        md = self._metadata(batch)
+        self._plan(md, self.graph_wrappers[batch.padded_size])
+        batch.attn_metadata = md
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        md = batch.attn_metadata
+        assert isinstance(md, FlashInferMetadata)
+        self._plan(md, self.graph_wrappers[batch.padded_size])
+
+    # <<< ch18

@@ -1,0 +1,235 @@
+"""Decode latency: ms per output token at batch 1, and ms per decode step by batch size.
+
+Side by side in one run: minisgl with CUDA graphs, minisgl eager (`cuda_graph_max_bs=0`),
+Hugging Face `generate` with its dynamic cache, and `generate` with a static cache compiled
+by torch.compile (what a user would reach for instead). Each time per token is taken as
+(time for 1 + n tokens - time for 1 token) / n, so the prefill drops out. Next to each
+batch-1 figure: the bandwidth it achieves reading the weights once per token.
+
+    python tools/bench_latency.py --model /tmp/qwen3-0.6b --plot docs/decode_step.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import random
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def timed(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def per_token(run: Callable[[int], object], n: int) -> float:
+    """ms per generated token after the first, from runs of 1 and 1 + n tokens."""
+    run(1 + n)  # warm-up at full length
+    return (timed(lambda: run(1 + n)) - timed(lambda: run(1))) / n * 1e3
+
+
+class Prompts:
+    """Fresh random prompts for every run, so the prefix cache never shortens a prefill."""
+
+    def __init__(self, vocab: int, seed: int) -> None:
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def make(self, n: int, length: int) -> list[list[int]]:
+        return [[self.rng.randrange(self.vocab) for _ in range(length)] for _ in range(n)]
+
+
+def minisgl_llm(args: argparse.Namespace, graph_bs: int) -> object:
+    from minisgl.llm import LLM
+
+    max_bs = max(args.batch_sizes)
+    tokens = args.input_len + args.output_len + 8
+    return LLM(
+        args.model,
+        dtype=getattr(torch, args.dtype),
+        device="cuda",
+        max_running_req=max_bs,
+        num_page_override=max_bs * tokens,
+        max_seq_len_override=tokens,
+        cuda_graph_max_bs=graph_bs,
+    )
+
+
+def bench_minisgl(args: argparse.Namespace, prompts: Prompts, graphs: bool) -> dict[str, object]:
+    from minisgl.core import SamplingParams
+
+    llm = minisgl_llm(args, max(args.batch_sizes) if graphs else 0)
+
+    def run(bs: int, n: int) -> None:
+        params = SamplingParams(max_tokens=n, ignore_eos=True)
+        llm.generate(prompts.make(bs, args.input_len), params, use_tqdm=False)
+
+    result = {"batch1_ms": per_token(lambda n: run(1, n), args.output_len), "steps": {}}
+    for bs in args.batch_sizes:
+        result["steps"][bs] = per_token(lambda n, bs=bs: run(bs, n), args.step_tokens)
+    result["host"] = host_share(llm, prompts, args)
+    llm.shutdown()
+    return result
+
+
+def host_share(llm: object, prompts: Prompts, args: argparse.Namespace) -> dict[int, dict]:
+    """Per batch size: host ms per step (time not spent waiting for the GPU), GPU busy %."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from minisgl.core import SamplingParams
+
+    out = {}
+    for bs in sorted({1, max(args.batch_sizes)}):
+        batch = prompts.make(bs, args.input_len)
+        llm.generate(batch[:1], SamplingParams(max_tokens=1), use_tqdm=False)
+        params = SamplingParams(max_tokens=args.step_tokens, ignore_eos=True)
+        blocked, original = 0.0, torch.cuda.Event.synchronize
+
+        def waiting(event: torch.cuda.Event, original: Callable = original) -> None:
+            nonlocal blocked
+            start = time.perf_counter()
+            original(event)
+            blocked += time.perf_counter() - start
+
+        torch.cuda.Event.synchronize = waiting  # type: ignore[method-assign]
+        try:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                wall = timed(functools.partial(llm.generate, batch, params, use_tqdm=False))
+        finally:
+            torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
+        busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        out[bs] = {
+            "host_ms_per_step": (wall - blocked) / args.step_tokens * 1e3,
+            "gpu_busy_pct": 100 * busy / wall,
+        }
+    return out
+
+
+def bench_hf(args: argparse.Namespace, prompts: Prompts, compiled: bool) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
+    model = model.cuda().eval()
+    ids = torch.tensor(prompts.make(1, args.input_len), device="cuda")
+    extra = {"cache_implementation": "static"} if compiled else {}
+
+    def run(n: int) -> None:
+        with torch.no_grad():
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+                **extra,
+            )
+
+    if compiled:
+        run(1 + args.output_len)  # compilation happens on the first static-cache calls
+    return per_token(run, args.output_len)
+
+
+def weight_bytes(path: str) -> int:
+    """Bytes of weights one decode step reads (a tied embedding counts once: the LM head)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    return total * 2  # bf16
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=256, help="tokens for the batch-1 figure")
+    p.add_argument("--step-tokens", type=int, default=64, help="decode steps per batch size")
+    p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--plot", default=None, help="write the ms-per-step plot to this PNG")
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    args.batch_sizes = args.batch_sizes or [1, 8, 32, 128, 256]
+
+    from minisgl.models.config import ModelConfig
+
+    prompts = Prompts(ModelConfig.from_path(args.model).vocab_size, args.seed)
+    weights = weight_bytes(args.model)
+    print(
+        f"{torch.cuda.get_device_name()}, {args.dtype}, prompt {args.input_len} tokens, "
+        f"{weights / 1e9:.2f} GB of weights (torch {torch.__version__})"
+    )
+    results = {"graphs": bench_minisgl(args, prompts, True)}
+    results["eager"] = bench_minisgl(args, prompts, False)
+    rows = [
+        ("minisgl, CUDA graphs", results["graphs"]["batch1_ms"]),
+        ("minisgl, eager", results["eager"]["batch1_ms"]),
+    ]
+    if not args.skip_hf:
+        rows.append(("HF generate, dynamic cache", bench_hf(args, prompts, compiled=False)))
+        torch.cuda.empty_cache()
+        try:
+            ms = bench_hf(args, prompts, compiled=True)
+            rows.append(("HF generate, static cache + torch.compile", ms))
+        except Exception as e:  # report it rather than lose the other rows
+            print(f"HF static + compile failed: {type(e).__name__}: {e}")
+    print(f"\nbatch 1, {args.output_len} tokens out\n")
+    print("| engine | ms/token | weights GB/s | vs minisgl graphs |\n|---|---|---|---|")
+    base = rows[0][1]
+    for name, ms in rows:
+        print(f"| {name} | {ms:.3f} | {weights / ms / 1e6:.0f} | {ms / base:.2f}x |")
+    print(f"\ndecode ms per step ({args.step_tokens} steps, prompt {args.input_len})\n")
+    print("| batch | graphs | eager | eager / graphs | graphs tok/s |\n|---|---|---|---|---|")
+    for bs in args.batch_sizes:
+        g, e = results["graphs"]["steps"][bs], results["eager"]["steps"][bs]
+        print(f"| {bs} | {g:.3f} | {e:.3f} | {e / g:.2f}x | {bs / g * 1e3:.0f} |")
+    print("\nhost time per step and GPU busy share, overlap scheduling on\n")
+    print("| mode | batch | host ms/step | GPU busy |\n|---|---|---|---|")
+    for mode in ("graphs", "eager"):
+        for bs, h in results[mode]["host"].items():
+            print(f"| {mode} | {bs} | {h['host_ms_per_step']:.3f} | {h['gpu_busy_pct']:.0f}% |")
+    results["batch1"] = dict(rows)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    if args.plot:
+        plot(args, results)
+
+
+def plot(args: argparse.Namespace, results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode in ("graphs", "eager"):
+        steps = results[mode]["steps"]
+        ax.plot(args.batch_sizes, [steps[bs] for bs in args.batch_sizes], "o-", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"minisgl decode step, {torch.cuda.get_device_name()}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
