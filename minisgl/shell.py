@@ -13,7 +13,7 @@ import threading
 from minisgl.core import SamplingParams
 from minisgl.message.frontend import DeltaMsg, TokenizeMsg
 from minisgl.server.api_server import APIError, Frontend
-from minisgl.server.launch import ProcessTree
+from minisgl.server.processes import ProcessTree
 from minisgl.server.protocol import UNLIMITED
 
 HELP = "Type a message. /reset forgets the conversation, /exit (or Ctrl-D) quits."

@@ -50,7 +50,9 @@ def test_fi_on_cpu_says_it_needs_cuda() -> None:
 
 
 def test_unknown_backend_is_refused_with_the_choices() -> None:
-    with pytest.raises(ValueError, match="unknown attention backend 'flash'; choose from auto, fi, torch"):
+    with pytest.raises(
+        ValueError, match="unknown attention backend 'flash'; choose from auto, fi, torch"
+    ):
         select_backend("flash", CPU, torch.float32, 1)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         EngineConfig("x", attention_backend="flash")

@@ -114,7 +114,13 @@ def test_overlap_on_cuda_equals_serial(model_dir: Path) -> None:
 
 # ---- FlashInfer and real CUDA graphs (ch19) ------------------------------------------------
 
-BF16 = dict(dtype=torch.bfloat16, device="cuda", num_page_override=2048, max_running_req=16)
+BF16 = dict(  # graphs off: the teacher-forcing helper runs the model without the runner
+    dtype=torch.bfloat16,
+    device="cuda",
+    num_page_override=2048,
+    max_running_req=16,
+    cuda_graph_max_bs=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +201,7 @@ def test_fi_logits_match_torch_backend(tiny: dict[str, Path], name: str, page_si
         engine.shutdown()
     for fi, ref in zip(out["fi"], out["torch"]):
         assert fi.shape == ref.shape
-        assert close(fi, ref) < 0.02
+        assert close(fi, ref) < 0.05  # bf16 logits near 20 are spaced 0.125 apart
         # the top token agrees wherever the reference is not a near tie
         top2 = ref.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > 0.1 * ref.abs().max()

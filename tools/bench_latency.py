@@ -160,6 +160,7 @@ def main() -> None:
     p.add_argument("--step-tokens", type=int, default=64, help="decode steps per batch size")
     p.add_argument("--batch-sizes", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-compile", action="store_true", help="no static-cache compiled HF run")
     p.add_argument("--plot", default=None, help="write the ms-per-step plot to this PNG")
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed", type=int, default=0)
@@ -183,6 +184,7 @@ def main() -> None:
     if not args.skip_hf:
         rows.append(("HF generate, dynamic cache", bench_hf(args, prompts, compiled=False)))
         torch.cuda.empty_cache()
+    if not args.skip_hf and not args.skip_compile:
         try:
             ms = bench_hf(args, prompts, compiled=True)
             rows.append(("HF generate, static cache + torch.compile", ms))

@@ -17,6 +17,7 @@ import itertools
 import torch
 
 from minisgl.kvcache.base import BasePrefixCache, MatchResult
+from minisgl.utils import common_prefix_len
 
 _clock = itertools.count()
 
@@ -127,10 +128,8 @@ class RadixCache(BasePrefixCache):
         return upper
 
     def _common_len(self, key: torch.Tensor, tokens: torch.Tensor) -> int:
-        n = min(len(key), len(tokens))
-        diff = (key[:n] != tokens[:n]).nonzero()
-        same = int(diff[0]) if len(diff) else n
-        return same // self.page_size * self.page_size
+        # Rounded down to whole pages: a node never holds part of a page.
+        return common_prefix_len(key, tokens) // self.page_size * self.page_size
 
     def _nodes(self) -> list[RadixNode]:
         out, stack = [], [self.root]

@@ -15,6 +15,7 @@ from minisgl.kvcache.allocator import PageAllocator, page_slots
 from minisgl.kvcache.base import BasePrefixCache, MatchResult
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.radix_cache import RadixCache  # [ch11]
+from minisgl.utils import cdiv
 
 
 class CacheManager:
@@ -39,7 +40,7 @@ class CacheManager:
 
     def pages_needed(self, req: Req, upto: int) -> int:
         """New pages `req` needs so that its row covers positions [0, upto)."""
-        return max(0, -(-upto // self.page_size) - req.alloc_len // self.page_size)
+        return max(0, cdiv(upto, self.page_size) - req.alloc_len // self.page_size)
 
     def match(self, input_ids: torch.Tensor) -> MatchResult:
         # Leave at least one token to compute: the forward must produce the next token's logits.

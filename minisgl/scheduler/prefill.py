@@ -15,6 +15,7 @@ import torch
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.table import TableManager
+from minisgl.utils import cdiv, common_prefix_len
 
 # A waiting request that shares at least this many not-yet-cached prompt tokens with one
 # already in the batch waits one round, then finds them in the prefix cache.
@@ -80,7 +81,7 @@ class PrefillManager:
             reqs.append(req)
             admitted.append(req)
             budget = max(0, budget - req.extend_len)
-        self.chunked = next((r for r in reqs if r.device_len < len(r.input_ids)), None)  # [ch10]
+        self.chunked = next((r for r in reqs if r.mid_prompt), None)  # [ch10]
         return (Batch(reqs, "prefill"), admitted) if reqs else None
 
     def _admit(self, pending: PendingReq, budget: int, reserve_pages: int) -> Req | None:
@@ -90,9 +91,7 @@ class PrefillManager:
         # >>> ch10 cut the prompt to the budget; the rest comes in the next rounds
         n = min(n, budget)
         # <<< ch10
-        pages = (
-            -(-(match.length + n) // self.cache.page_size) - match.length // self.cache.page_size
-        )
+        pages = cdiv(match.length + n, self.cache.page_size) - match.length // self.cache.page_size
         self.cache.cache.lock(match.node)  # so the check below does not count it as evictable
         fits = pages + reserve_pages <= self.cache.available_pages
         self.cache.cache.unlock(match.node)
@@ -117,9 +116,6 @@ class PrefillManager:
     def _shares_uncached_prefix(self, pending: PendingReq, batch: list[Req]) -> bool:
         ids = pending.input_ids
         for req in batch:
-            n = min(len(ids), len(req.input_ids))
-            diff = (ids[:n] != req.input_ids[:n]).nonzero()
-            common = int(diff[0]) if len(diff) else n
-            if common - req.cached_len >= _SHARED_PREFIX_TO_WAIT:
+            if common_prefix_len(ids, req.input_ids) - req.cached_len >= _SHARED_PREFIX_TO_WAIT:
                 return True
         return False

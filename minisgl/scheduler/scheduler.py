@@ -26,6 +26,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
+from minisgl.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class Scheduler:
         vocab = self.engine.model_config.vocab_size
         if not all(0 <= t < vocab for t in msg.input_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        pages = -(-(n + 1) // self.engine.page_size)
+        pages = cdiv(n + 1, self.engine.page_size)
         if pages > self.engine.num_pages:
             raise ValueError(
                 f"prompt has {n} tokens; the KV cache holds only "
@@ -151,7 +152,7 @@ class Scheduler:
     def _launch(self, batch: Batch) -> InFlight:
         for req in batch.reqs:
             self.cache.allocate(req, req.device_len)
-        emits = [req.device_len >= len(req.input_ids) for req in batch.reqs]
+        emits = [not req.mid_prompt for req in batch.reqs]
         self.engine.prepare_batch(batch)
         output = self.engine.forward_batch(batch)
         for req, emit in zip(batch.reqs, emits):

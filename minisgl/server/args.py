@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from minisgl.attention.registry import backend_names
 from minisgl.scheduler.config import SchedulerConfig
 
 _DTYPES = {
@@ -25,7 +26,6 @@ class ServerArgs:
     port: int
     shell: bool
     served_model_name: str
-    tp_size: int
     log_level: str
 
 
@@ -36,12 +36,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
     p.add_argument("--dtype", choices=list(_DTYPES), default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    # Kept in the public command line, though with one scheduler only 1 is accepted (below).
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-seq-len-override", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: fill memory)")
     p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--attn", choices=["auto", "torch"], default="auto")
+    p.add_argument("--attn", choices=backend_names(), default="auto", help="attention backend")
     p.add_argument("--cache", choices=["radix", "naive"], default="radix")
     # >>> ch18
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0 disables CUDA graphs")
@@ -76,4 +77,4 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     except ValueError as e:
         p.error(str(e))
     name = a.served_model_name or Path(a.model).resolve().name
-    return ServerArgs(config, a.host, a.port, a.shell, name, a.tp_size, a.log_level.upper())
+    return ServerArgs(config, a.host, a.port, a.shell, name, a.log_level.upper())
