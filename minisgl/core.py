@@ -84,7 +84,10 @@ class Req:
         sampling_params: SamplingParams,
     ) -> None:
         assert input_ids.dim() == 1 and input_ids.device.type == "cpu"
-        self.input_ids = input_ids.to(torch.int32)  # host copy: prompt + tokens generated so far
+        # Host copy of the prompt + tokens generated so far, in a buffer that doubles when
+        # full, so that appending a token does not copy the whole sequence every step.
+        self._ids = input_ids.to(torch.int32)
+        self._len = len(input_ids)
         self.prompt_len = len(input_ids)  # where the output starts (kept across preemption)
         self.table_idx = table_idx
         self.cached_len = cached_len
@@ -103,13 +106,17 @@ class Req:
         # <<< ch09
 
     @property
+    def input_ids(self) -> torch.Tensor:
+        return self._ids[: self._len]
+
+    @property
     def extend_len(self) -> int:
         return self.device_len - self.cached_len
 
     @property
     def mid_prompt(self) -> bool:
         """The scheduled forward stops inside the prompt (a chunk): its sampled token is moot."""
-        return self.device_len < len(self.input_ids)
+        return self.device_len < self._len
 
     @property
     def remain_len(self) -> int:
@@ -121,7 +128,10 @@ class Req:
         self.device_len += 1
 
     def append_host(self, token: int) -> None:
-        self.input_ids = torch.cat([self.input_ids, torch.tensor([token], dtype=torch.int32)])
+        if self._len == len(self._ids):
+            self._ids = torch.cat([self._ids, torch.empty_like(self._ids)])
+        self._ids[self._len] = token
+        self._len += 1
 
     def __repr__(self) -> str:
         return (

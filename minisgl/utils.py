@@ -15,3 +15,18 @@ def common_prefix_len(a: torch.Tensor, b: torch.Tensor) -> int:
     n = min(len(a), len(b))
     diff = (a[:n] != b[:n]).nonzero()
     return int(diff[0]) if len(diff) else n
+
+
+def to_device(
+    data: torch.Tensor | list, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Host data on `device` without making the host wait for the device.
+
+    A copy from ordinary (pageable) host memory may hold the host until the device has
+    caught up; one from page-locked memory is queued and returns at once, which is what
+    lets the host prepare the next batch while the device runs this one.
+    """
+    host = torch.as_tensor(data, dtype=dtype)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -116,8 +116,9 @@ class _Wrapper:
         paged_kv_indptr_buffer: torch.Tensor | None = None,
         paged_kv_indices_buffer: torch.Tensor | None = None,
         paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+        backend: str = "auto",
     ) -> None:
-        assert kv_layout == "NHD"
+        assert kv_layout == "NHD" and backend in ("auto", "fa2")
         self.graph = use_cuda_graph
         if use_cuda_graph:  # FlashInfer's rule: the batch size is fixed by the buffers
             assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
-from minisgl.utils import cdiv
+from minisgl.utils import cdiv, to_device
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -44,7 +44,9 @@ def paged_kv_layout(
         [n - (p - 1) * page_size for n, p in zip(seq_lens, pages)], dtype=torch.int32
     )
     device, total = page_table.device, int(indptr[-1])
-    rows_pages = torch.tensor([rows, pages], dtype=torch.int64).to(device, non_blocking=True)
+    if device.type == "cuda":  # plan() copies these into the graph's buffers: asynchronously
+        indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
+    rows_pages = to_device([rows, pages], device, torch.int64)
     row_of, pages_of = rows_pages[0], rows_pages[1]
     # Which request each output entry belongs to, and its page number within that request.
     owner = torch.repeat_interleave(
@@ -146,7 +148,7 @@ class FlashInferBackend(BaseAttnBackend):
             self.kv_cache.page_size,
         )
         return FlashInferMetadata(
-            qo_indptr=qo_host.to(self.device, non_blocking=True),
+            qo_indptr=to_device(qo_host, self.device),
             qo_indptr_host=qo_host,
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.utils import to_device
 
 if TYPE_CHECKING:
     from minisgl.core import Batch
@@ -62,8 +63,8 @@ class TorchAttnBackend(BaseAttnBackend):
         cu_seqlens_q = torch.tensor([0, *extend_lens], dtype=torch.int32).cumsum(0)
         rows = torch.tensor([req.table_idx for req in reqs], dtype=torch.int64, device=device)
         batch.attn_metadata = TorchAttnMetadata(
-            cu_seqlens_q=cu_seqlens_q.to(torch.int32).to(device, non_blocking=True),
-            cache_seqlens=torch.tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True),
+            cu_seqlens_q=to_device(cu_seqlens_q, device, torch.int32),
+            cache_seqlens=to_device(seq_lens, device, torch.int32),
             page_table=self.page_table[rows, : max(seq_lens)],
             max_seqlen_q=max(extend_lens),
         )

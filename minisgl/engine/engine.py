@@ -29,7 +29,7 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
-from minisgl.utils import cdiv
+from minisgl.utils import cdiv, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +119,7 @@ class Engine:
         reqs = batch.padded_reqs
         rows = [r.table_idx for r in reqs for _ in range(r.extend_len)]
         positions = [p for r in reqs for p in range(r.cached_len, r.device_len)]
-        rows_pos = torch.tensor([rows, positions])
-        rows_pos = rows_pos.to(self.device, non_blocking=True)  # one copy for both
+        rows_pos = to_device([rows, positions], self.device, torch.int64)  # one copy for both
         rows_d, positions_d = rows_pos[0], rows_pos[1]
         batch.positions = positions_d.to(torch.int32)
         batch.input_ids = self.token_pool[rows_d, positions_d]
@@ -151,7 +150,7 @@ class Engine:
         rows, cols = zip(
             *[(dummy_row, 0) if r.mid_prompt else (r.table_idx, r.device_len) for r in batch.reqs]
         )
-        where = torch.tensor([rows, cols]).to(self.device, non_blocking=True)
+        where = to_device([rows, cols], self.device, torch.int64)
         self.token_pool[where[0], where[1]] = next_tokens
         return self._to_host(next_tokens, logprobs)
 
@@ -168,7 +167,9 @@ class Engine:
         host = torch.empty(next_tokens.shape, dtype=torch.int32, pin_memory=True)
         host.copy_(next_tokens, non_blocking=True)
         if logprobs is not None:
-            logprobs = logprobs.to("cpu", non_blocking=True)
+            logprobs = torch.empty(logprobs.shape, pin_memory=True).copy_(
+                logprobs, non_blocking=True
+            )
         event = torch.cuda.Event()
         event.record()
         return ForwardOutput(next_tokens, host, logprobs, event)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Req
+from minisgl.utils import to_device
 
 
 @dataclass
@@ -30,11 +31,11 @@ def gather_penalties(reqs: list[Req], token_pool: torch.Tensor, vocab: int) -> P
     device = token_pool.device
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(device)[:, None]
+        return to_device(values, device, torch.float32)[:, None]
 
     lengths = column([req.device_len for req in reqs])
     prompt_lens = column([req.prompt_len for req in reqs])
-    rows = torch.tensor([req.table_idx for req in reqs]).to(device)
+    rows = to_device([req.table_idx for req in reqs], device, torch.int64)
     width = max(req.device_len for req in reqs)
     tokens = token_pool[rows, :width].long()  # every token so far, prompt first
     pos = torch.arange(width, device=device, dtype=torch.float32)[None, :]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Req
+from minisgl.utils import to_device
 
 _MASK32 = 0xFFFFFFFF
 
@@ -34,7 +35,7 @@ def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> 
     is_greedy = [p.is_greedy for p in params]
 
     def put(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(values, device, dtype)
 
     top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
     top_ps = [p.top_p for p in params]

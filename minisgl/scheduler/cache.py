@@ -15,7 +15,7 @@ from minisgl.kvcache.allocator import PageAllocator, page_slots
 from minisgl.kvcache.base import BasePrefixCache, MatchResult
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.radix_cache import RadixCache  # [ch11]
-from minisgl.utils import cdiv
+from minisgl.utils import cdiv, to_device
 
 
 class CacheManager:
@@ -52,15 +52,24 @@ class CacheManager:
         req.cache_handle, req.shared_len, req.alloc_len = match.node, match.length, match.length
         self._write(req.table_idx, 0, match.slots)
 
-    def allocate(self, req: Req, upto: int) -> None:
-        """Give `req` pages for positions [alloc_len, upto); the caller checked availability."""
-        n = self.pages_needed(req, upto)
-        if n == 0:
+    def allocate(self, reqs: list[Req]) -> None:
+        """Give each request pages for positions [alloc_len, device_len); the caller checked
+        availability. One eviction and one device write for the whole batch."""
+        needs = [self.pages_needed(req, req.device_len) for req in reqs]
+        total = sum(needs)
+        if total == 0:
             return
-        self._evict_for(n)
-        slots = page_slots(self.allocator.alloc(n), self.page_size)
-        self._write(req.table_idx, req.alloc_len, slots)
-        req.alloc_len += len(slots)
+        self._evict_for(total)
+        slots = page_slots(self.allocator.alloc(total), self.page_size)
+        rows, cols = [], []
+        for req, n in zip(reqs, needs):
+            rows += [req.table_idx] * (n * self.page_size)
+            cols += range(req.alloc_len, req.alloc_len + n * self.page_size)
+            req.alloc_len += n * self.page_size
+        where = torch.tensor([rows, cols])
+        self.host_table[where[0], where[1]] = slots
+        where = to_device(torch.cat([where, slots[None].long()]), self.page_table.device)
+        self.page_table[where[0], where[1]] = where[2].to(self.page_table.dtype)
 
     def cache_req(self, req: Req, finished: bool) -> None:
         """Move the request's computed, page-aligned prefix into the cache.
@@ -88,7 +97,9 @@ class CacheManager:
     def _write(self, row: int, start: int, slots: torch.Tensor) -> None:
         if len(slots):
             self.host_table[row, start : start + len(slots)] = slots
-            self.page_table[row, start : start + len(slots)] = slots.to(self.page_table.device)
+            self.page_table[row, start : start + len(slots)] = to_device(
+                slots, self.page_table.device
+            )
 
     def _free_slots(self, slots: torch.Tensor) -> None:
         if len(slots):

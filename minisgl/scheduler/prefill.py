@@ -65,7 +65,7 @@ class PrefillManager:
             if self.cache.pages_needed(req, req.cached_len + n) > self.cache.available_pages:
                 return None  # the decode side must free pages first
             req.device_len = req.cached_len + n
-            self.cache.allocate(req, req.device_len)
+            self.cache.allocate([req])
             reqs.append(req)
             budget -= n
         # <<< ch10
@@ -110,7 +110,7 @@ class PrefillManager:
             req.cached_tokens = pending.cached_tokens
         self.cache.attach(req, match)
         req.device_len = match.length + n
-        self.cache.allocate(req, req.device_len)
+        self.cache.allocate([req])
         return req
 
     def _shares_uncached_prefix(self, pending: PendingReq, batch: list[Req]) -> bool:

@@ -150,8 +150,7 @@ class Scheduler:
         self.prefill.add(pending, front=True)
 
     def _launch(self, batch: Batch) -> InFlight:
-        for req in batch.reqs:
-            self.cache.allocate(req, req.device_len)
+        self.cache.allocate(batch.reqs)
         emits = [not req.mid_prompt for req in batch.reqs]
         self.engine.prepare_batch(batch)
         output = self.engine.forward_batch(batch)

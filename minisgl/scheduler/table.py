@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from minisgl.utils import to_device
+
 
 class TableManager:
     def __init__(self, max_running_req: int, token_pool: torch.Tensor) -> None:
@@ -17,7 +19,7 @@ class TableManager:
     def alloc(self, input_ids: torch.Tensor) -> int:
         """Take a row and write the known tokens into it (the engine reads inputs from here)."""
         row = self._free.pop()
-        self.token_pool[row, : len(input_ids)] = input_ids.to(self.token_pool.device)
+        self.token_pool[row, : len(input_ids)] = to_device(input_ids, self.token_pool.device)
         return row
 
     def free(self, row: int) -> None:
