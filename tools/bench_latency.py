@@ -12,21 +12,26 @@ batch-1 figure: the bandwidth it achieves reading the weights once per token.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
 
-def timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str = "cuda") -> float:
+    sync(device)
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - start
 
 
@@ -50,11 +55,11 @@ def minisgl_llm(args: argparse.Namespace, graph_bs: int) -> object:
     from minisgl.llm import LLM
 
     max_bs = max(args.batch_sizes)
-    tokens = args.input_len + args.output_len + 8
+    tokens = args.input_len + max(args.output_len, args.step_tokens) + 8
     return LLM(
         args.model,
         dtype=getattr(torch, args.dtype),
-        device="cuda",
+        device=args.device,
         max_running_req=max_bs,
         num_page_override=max_bs * tokens,
         max_seq_len_override=tokens,
@@ -62,54 +67,56 @@ def minisgl_llm(args: argparse.Namespace, graph_bs: int) -> object:
     )
 
 
-def bench_minisgl(args: argparse.Namespace, prompts: Prompts, graphs: bool) -> dict[str, object]:
+def decode_steps(llm: object, prompts: Prompts, args: argparse.Namespace, bs: int, n: int):
+    """(step ms, forward ms) at batch size `bs`, medians over the steps where every request
+    is decoding: the time between two scheduler steps as a user sees it (overlap on), and
+    the forward alone with the device synchronised before and after it (the device's share;
+    the rest of a step is host work the overlap did not hide)."""
     from minisgl.core import SamplingParams
 
-    llm = minisgl_llm(args, max(args.batch_sizes) if graphs else 0)
+    sched, engine = llm.scheduler, llm.engine
+    params = SamplingParams(max_tokens=n, ignore_eos=True)
+    stamps: list[float] = []
+    forwards: list[float] = []
 
-    def run(bs: int, n: int) -> None:
-        params = SamplingParams(max_tokens=n, ignore_eos=True)
+    def step() -> list:
+        out = type(sched).step(sched)
+        if not sched.prefill.has_work and sched.decode.running:
+            stamps.append(time.perf_counter())
+        return out
+
+    def forward(batch: object) -> object:
+        sync(args.device)
+        start = time.perf_counter()
+        out = type(engine).forward_batch(engine, batch)
+        sync(args.device)
+        if batch.is_decode:
+            forwards.append(time.perf_counter() - start)
+        return out
+
+    sched.step = step
+    try:
         llm.generate(prompts.make(bs, args.input_len), params, use_tqdm=False)
+        engine.forward_batch = forward
+        llm.generate(prompts.make(bs, args.input_len), params, use_tqdm=False)
+    finally:
+        del sched.step
+        engine.__dict__.pop("forward_batch", None)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # the first steps warm up
+    return statistics.median(gaps) * 1e3, statistics.median(forwards) * 1e3
 
-    result = {"batch1_ms": per_token(lambda n: run(1, n), args.output_len), "steps": {}}
+
+def bench_minisgl(args: argparse.Namespace, prompts: Prompts, graphs: bool) -> dict[str, object]:
+    llm = minisgl_llm(args, max(args.batch_sizes) if graphs else 0)
+    decode_steps(llm, prompts, args, 1, 8)  # warm-up
+    result: dict[str, object] = {"steps": {}}
+    result["batch1_ms"], result["batch1_forward_ms"] = decode_steps(
+        llm, prompts, args, 1, args.output_len
+    )
     for bs in args.batch_sizes:
-        result["steps"][bs] = per_token(lambda n, bs=bs: run(bs, n), args.step_tokens)
-    result["host"] = host_share(llm, prompts, args)
+        result["steps"][bs] = decode_steps(llm, prompts, args, bs, args.step_tokens)
     llm.shutdown()
     return result
-
-
-def host_share(llm: object, prompts: Prompts, args: argparse.Namespace) -> dict[int, dict]:
-    """Per batch size: host ms per step (time not spent waiting for the GPU), GPU busy %."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from minisgl.core import SamplingParams
-
-    out = {}
-    for bs in sorted({1, max(args.batch_sizes)}):
-        batch = prompts.make(bs, args.input_len)
-        llm.generate(batch[:1], SamplingParams(max_tokens=1), use_tqdm=False)
-        params = SamplingParams(max_tokens=args.step_tokens, ignore_eos=True)
-        blocked, original = 0.0, torch.cuda.Event.synchronize
-
-        def waiting(event: torch.cuda.Event, original: Callable = original) -> None:
-            nonlocal blocked
-            start = time.perf_counter()
-            original(event)
-            blocked += time.perf_counter() - start
-
-        torch.cuda.Event.synchronize = waiting  # type: ignore[method-assign]
-        try:
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                wall = timed(functools.partial(llm.generate, batch, params, use_tqdm=False))
-        finally:
-            torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
-        busy = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
-        out[bs] = {
-            "host_ms_per_step": (wall - blocked) / args.step_tokens * 1e3,
-            "gpu_busy_pct": 100 * busy / wall,
-        }
-    return out
 
 
 def bench_hf(args: argparse.Namespace, prompts: Prompts, compiled: bool) -> float:
@@ -154,7 +161,8 @@ def weight_bytes(path: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this tool")
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256, help="tokens for the batch-1 figure")
     p.add_argument("--step-tokens", type=int, default=64, help="decode steps per batch size")
@@ -171,8 +179,9 @@ def main() -> None:
 
     prompts = Prompts(ModelConfig.from_path(args.model).vocab_size, args.seed)
     weights = weight_bytes(args.model)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(
-        f"{torch.cuda.get_device_name()}, {args.dtype}, prompt {args.input_len} tokens, "
+        f"{name}, {args.dtype}, prompt {args.input_len} tokens, "
         f"{weights / 1e9:.2f} GB of weights (torch {torch.__version__})"
     )
     results = {"graphs": bench_minisgl(args, prompts, True)}
@@ -195,16 +204,20 @@ def main() -> None:
     base = rows[0][1]
     for name, ms in rows:
         print(f"| {name} | {ms:.3f} | {weights / ms / 1e6:.0f} | {ms / base:.2f}x |")
-    print(f"\ndecode ms per step ({args.step_tokens} steps, prompt {args.input_len})\n")
-    print("| batch | graphs | eager | eager / graphs | graphs tok/s |\n|---|---|---|---|---|")
+    print(
+        f"\ndecode step by batch size ({args.step_tokens} tokens, prompt {args.input_len}); "
+        "forward = the forward alone, device synchronised; busy = forward / step\n"
+    )
+    print(
+        "| batch | graphs step ms | graphs forward ms | graphs busy | eager step ms "
+        "| eager forward ms | eager / graphs | graphs tok/s |\n|---|---|---|---|---|---|---|---|"
+    )
     for bs in args.batch_sizes:
-        g, e = results["graphs"]["steps"][bs], results["eager"]["steps"][bs]
-        print(f"| {bs} | {g:.3f} | {e:.3f} | {e / g:.2f}x | {bs / g * 1e3:.0f} |")
-    print("\nhost time per step and GPU busy share, overlap scheduling on\n")
-    print("| mode | batch | host ms/step | GPU busy |\n|---|---|---|---|")
-    for mode in ("graphs", "eager"):
-        for bs, h in results[mode]["host"].items():
-            print(f"| {mode} | {bs} | {h['host_ms_per_step']:.3f} | {h['gpu_busy_pct']:.0f}% |")
+        (g, gf), (e, ef) = results["graphs"]["steps"][bs], results["eager"]["steps"][bs]
+        print(
+            f"| {bs} | {g:.3f} | {gf:.3f} | {100 * min(gf / g, 1):.0f}% | {e:.3f} | {ef:.3f} "
+            f"| {e / g:.2f}x | {bs / g * 1e3:.0f} |"
+        )
     results["batch1"] = dict(rows)
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -222,11 +235,11 @@ def plot(args: argparse.Namespace, results: dict) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in ("graphs", "eager"):
         steps = results[mode]["steps"]
-        ax.plot(args.batch_sizes, [steps[bs] for bs in args.batch_sizes], "o-", label=mode)
+        ax.plot(args.batch_sizes, [steps[bs][0] for bs in args.batch_sizes], "o-", label=mode)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"minisgl decode step, {torch.cuda.get_device_name()}")
+    ax.set_title(f"minisgl decode step, Qwen3-0.6B shape, {torch.cuda.get_device_name()}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
