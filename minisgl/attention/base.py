@@ -29,6 +29,7 @@ class BaseAttnBackend(ABC):
 
     name: str  # what `--attn` calls it
     devices: tuple[str, ...]  # device types it runs on
+    auto_devices: tuple[str, ...] = ()  # where `--attn auto` may pick it
     supports_cuda_graphs: bool = False  # lengths read on the device, graph hooks implemented
 
     @classmethod

@@ -74,6 +74,7 @@ class FlashInferMetadata(BaseAttnMetadata):
 class FlashInferBackend(BaseAttnBackend):
     name = "fi"
     devices = ("cuda",)
+    auto_devices = ("cuda",)
     supports_cuda_graphs = True
 
     @classmethod

@@ -14,6 +14,7 @@ import torch
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.fi import FlashInferBackend  # [ch19]
 from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention.triton_backend import TritonAttnBackend  # [ch20]
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,7 @@ BACKENDS: dict[str, type[BaseAttnBackend]] = {
     cls.name: cls
     for cls in (
         FlashInferBackend,  # [ch19]
+        TritonAttnBackend,  # [ch20]
         TorchAttnBackend,
     )
 }
@@ -50,10 +52,11 @@ def select_backend(
 
 def _auto(device: torch.device, dtype: torch.dtype, page_size: int) -> type[BaseAttnBackend]:
     for name, cls in BACKENDS.items():
+        if device.type not in cls.auto_devices:
+            continue
         reason = cls.unavailable_reason(device, dtype, page_size)
         if not reason:
             logger.info("attention backend: %s (auto)", name)
             return cls
-        if device.type in cls.devices:  # a GPU backend passed over on a GPU is news
-            logger.info("attention backend %s passed over: %s", name, reason)
+        logger.info("attention backend %s passed over: %s", name, reason)
     raise AssertionError("the torch backend runs on every device")

@@ -44,6 +44,7 @@ class TorchCaptureData:
 class TorchAttnBackend(BaseAttnBackend):
     name = "torch"
     devices = ("cpu", "cuda")
+    auto_devices = ("cpu", "cuda")
     # Its decode reads the longest length on the host, which a CUDA graph cannot replay; on
     # CPU the graph runner's EmulatedGraph does not care, so the hooks below still serve it.
     supports_cuda_graphs = False

@@ -1,0 +1,131 @@
+"""Our own attention kernels (minisgl/kernels/attention.py) as a backend.
+
+The metadata is the page-table form the kernels read directly: each request's row of the
+page table, its length, and where its new tokens sit in the batch. Triton ships with
+every CUDA build of torch, so `auto` takes this backend on a GPU without FlashInfer; on a
+CPU the same kernels run in Triton's interpreter (TRITON_INTERPRET=1), slowly, so that
+they can be tested anywhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.utils import to_device
+
+if TYPE_CHECKING:
+    from minisgl.core import Batch
+    from minisgl.kvcache.mha_pool import MHAKVCache
+
+
+@dataclass
+class TritonMetadata(BaseAttnMetadata):
+    qo_indptr: torch.Tensor  # [bs + 1] int32: request i's new tokens are q[qo[i]:qo[i+1]]
+    rows: torch.Tensor  # [bs] int32: each request's page-table row
+    seq_lens: torch.Tensor  # [bs] int32: K/V length, new tokens included
+    max_extend_len: int  # host-side: sizes the extend kernel's grid (1 means decode)
+
+    def get_last_indices(self) -> torch.Tensor:
+        return self.qo_indptr[1:] - 1
+
+
+@dataclass
+class TritonCaptureData:
+    qo_indptr: torch.Tensor  # [max_bs + 1]: 0, 1, ..., max_bs (one token each in decode)
+    rows: torch.Tensor  # [max_bs]
+    seq_lens: torch.Tensor  # [max_bs]
+
+
+class TritonAttnBackend(BaseAttnBackend):
+    name = "triton"
+    devices = ("cuda", "cpu")
+    auto_devices = ("cuda",)  # on a CPU the interpreter is for checking, never the default
+    supports_cuda_graphs = True
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
+        if importlib.util.find_spec("triton") is None:
+            return "the triton package is not installed (it comes with torch's CUDA builds)"
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "on a CPU its kernels run only in Triton's interpreter: set TRITON_INTERPRET=1"
+        return super().unavailable_reason(device, dtype, page_size)  # any page size
+
+    def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
+        from minisgl.kernels import attention as kernels
+
+        self.kernels = kernels
+        self.kv_cache, self.page_table, self.scale = kv_cache, page_table, scale
+        self.device = page_table.device
+        self.capture: TritonCaptureData | None = None
+
+    def prepare_metadata(self, batch: Batch) -> None:
+        reqs = batch.padded_reqs
+        extend_lens = [r.extend_len for r in reqs]
+        qo = [0, *itertools.accumulate(extend_lens)]
+        host = to_device(
+            [r.table_idx for r in reqs] + [r.device_len for r in reqs] + qo,
+            self.device,
+            torch.int32,
+        )
+        bs = len(reqs)
+        batch.attn_metadata = TritonMetadata(
+            qo_indptr=host[2 * bs :],
+            rows=host[:bs],
+            seq_lens=host[bs : 2 * bs],
+            max_extend_len=max(extend_lens),
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+    ) -> torch.Tensor:
+        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        md = batch.attn_metadata
+        assert isinstance(md, TritonMetadata)
+        k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        if md.max_extend_len == 1:
+            return self.kernels.decode_attention(
+                q, k_cache, v_cache, self.page_table, md.rows, md.seq_lens, self.scale
+            )
+        return self.kernels.extend_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.page_table,
+            md.rows,
+            md.seq_lens,
+            md.qo_indptr,
+            md.max_extend_len,
+            self.scale,
+        )
+
+    def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
+        max_bs, device = max(bs_list), self.device
+        dummy_row = self.page_table.size(0) - 1
+        self.capture = TritonCaptureData(
+            qo_indptr=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
+            rows=torch.full((max_bs,), dummy_row, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
+        )
+
+    def prepare_for_capture(self, batch: Batch) -> None:
+        bs, cap = batch.padded_size, self.capture
+        assert cap is not None
+        batch.attn_metadata = TritonMetadata(
+            qo_indptr=cap.qo_indptr[: bs + 1],
+            rows=cap.rows[:bs],
+            seq_lens=cap.seq_lens[:bs],
+            max_extend_len=1,
+        )
+
+    def prepare_for_replay(self, batch: Batch) -> None:
+        md, bs, cap = batch.attn_metadata, batch.padded_size, self.capture
+        assert isinstance(md, TritonMetadata) and cap is not None
+        cap.rows[:bs].copy_(md.rows)
+        cap.seq_lens[:bs].copy_(md.seq_lens)

@@ -1,0 +1,283 @@
+"""FlashAttention in Triton: paged decode (split-KV) and paged extend (tiled, causal).
+
+Both kernels read keys and values through the page table: position p of the request in
+row r lives in KV slot `page_table[r, p]`, so any page size works and nothing is copied
+into a contiguous buffer first. Both use the online softmax: scores are computed one block
+of keys at a time, and the running maximum `m`, the running sum `l` of exp(score - m) and
+the weighted sum of values `acc` are rescaled whenever `m` grows, so no [queries x keys]
+matrix is ever stored.
+
+Decode has one query per request, too little work for a GPU if each (request, head) is
+one program. So the keys of each request are cut into `num_splits` ranges handled in
+parallel ("flash-decoding"), each writing a partial output and its log-sum-exp; a second
+small kernel merges them. All query heads that share a KV head are handled by one
+program, so each key is loaded once per group (grouped-query attention).
+
+Lengths are read on the device, and the number of splits depends only on the batch size,
+so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # fp32 inputs: exact products (tests compare with fp32 references), not TF32.
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, PageTable, Rows, SeqLens, OutPartial, LsePartial,
+    sm_scale,
+    stride_qb, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_pt,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(Rows + b).to(tl.int64)
+    per_split = tl.cdiv(seq_len, NUM_SPLITS)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = _dot(q, tl.trans(k), IEEE)
+        s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+
+    # An empty split (a sequence shorter than the number of splits) weighs nothing.
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+    tl.store(
+        OutPartial + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
+        + offs_d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )  # fmt: skip
+    tl.store(LsePartial + b * stride_lb + heads * stride_lh + split, lse, mask=h_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    OutPartial, LsePartial, Out,
+    stride_ob, stride_oh, stride_os,
+    stride_lb, stride_lh,
+    stride_b, stride_h,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    b, head = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    lse = tl.load(LsePartial + b * stride_lb + head * stride_lh + offs_s)
+    weights = tl.exp(lse - tl.max(lse, 0))  # exp(-inf) = 0 for empty splits
+    partial = tl.load(
+        OutPartial + b * stride_ob + head * stride_oh + offs_s[:, None] * stride_os
+        + offs_d[None, :],
+        mask=d_mask[None, :],
+        other=0.0,
+    )  # fmt: skip
+    out = tl.sum(partial * weights[:, None], 0) / tl.sum(weights, 0)
+    tl.store(Out + b * stride_b + head * stride_h + offs_d, out, mask=d_mask)
+
+
+@triton.jit
+def _extend_kernel(
+    Q, K, V, Out, PageTable, Rows, SeqLens, QoIndptr,
+    sm_scale,
+    stride_qt, stride_qh,
+    stride_ks, stride_kh,
+    stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_pt,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    b, head, block_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    if block_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(SeqLens + b)
+    prefix = seq_len - q_len  # the new tokens are the last q_len positions
+    row = tl.load(Rows + b).to(tl.int64)
+    kv_head = head // GROUP
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    tokens = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        Q + tokens[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    q_pos = prefix + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal: this block's last query sees positions up to prefix + its index, no further.
+    end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
+    for n0 in range(0, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = _dot(q, tl.trans(k), IEEE)
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        Out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_mask[:, None] & d_mask[None, :],
+    )
+
+
+def decode_num_splits(batch_size: int, num_kv_heads: int) -> int:
+    """Enough (request, KV head, split) programs to fill a large GPU, as a power of two."""
+    splits = 1
+    while splits < 16 and batch_size * num_kv_heads * splits < 256:
+        splits *= 2
+    return splits
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """q [bs, q_heads, head_dim]; k/v_cache [slots, kv_heads, head_dim]; rows, seq_lens [bs]."""
+    bs, q_heads, head_dim = q.shape
+    kv_heads = k_cache.size(1)
+    group = q_heads // kv_heads
+    splits = decode_num_splits(bs, kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    partial = torch.empty(bs, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bs, q_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bs, kv_heads, splits)](
+        q, k_cache, v_cache, page_table, rows, seq_lens, partial, lse,
+        sm_scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        page_table.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(bs, q_heads)](
+        partial, lse, out,
+        partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+    )  # fmt: skip
+    return out
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+) -> torch.Tensor:
+    """q [tokens, q_heads, head_dim]: request i's new tokens are q[qo_indptr[i]:qo_indptr[i+1]],
+    the last positions of its `seq_lens[i]`; each sees its cached prefix and, causally, the
+    new tokens before it."""
+    tokens, q_heads, head_dim = q.shape
+    kv_heads = k_cache.size(1)
+    bs = rows.size(0)
+    block_m = 64 if max_extend_len > 32 else 16
+    out = torch.empty_like(q)
+    grid = (bs, q_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q, k_cache, v_cache, out, page_table, rows, seq_lens, qo_indptr,
+        sm_scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1),
+        out.stride(0), out.stride(1),
+        page_table.stride(0),
+        GROUP=q_heads // kv_heads, BLOCK_M=block_m, BLOCK_N=32,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        IEEE=q.dtype == torch.float32,
+    )  # fmt: skip
+    return out

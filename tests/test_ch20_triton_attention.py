@@ -1,0 +1,148 @@
+"""Our Triton attention kernels against the reference, on CPU in Triton's interpreter.
+
+tests/conftest.py turns the interpreter on when there is no GPU. Shapes are small (the
+interpreter runs every program in Python) but cover what goes wrong in such kernels:
+lengths that end mid-page and mid-block, several page sizes, grouped-query attention,
+cached prefixes, and batches that mix prompt chunks with single decode tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import TINY, need
+
+from minisgl.attention.registry import select_backend
+from minisgl.attention.torch_backend import TorchAttnBackend
+from minisgl.attention.triton_backend import TritonAttnBackend
+from minisgl.core import SamplingParams
+from minisgl.env import ENV
+from minisgl.kernels.attention import decode_attention, decode_num_splits, extend_attention
+from minisgl.llm import LLM
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+CPU = torch.device("cpu")
+ROWS, WIDTH = 8, 320
+
+
+def paged_table(page_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Every row a random set of whole pages, as the allocator hands them out."""
+    pages = torch.randperm(ROWS * WIDTH // page_size, generator=gen)
+    per_row = WIDTH // page_size
+    table = torch.empty(ROWS, WIDTH, dtype=torch.int32)
+    for r in range(ROWS):
+        own = pages[r * per_row : (r + 1) * per_row]
+        table[r] = (own[:, None] * page_size + torch.arange(page_size)).flatten()
+    return table
+
+
+def reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale) -> torch.Tensor:
+    out = torch.empty_like(q)
+    for i, (row, n_kv) in enumerate(zip(rows, seq_lens)):
+        start, end = qo[i], qo[i + 1]
+        slots = table[row, :n_kv].long()
+        keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+        q_pos = torch.arange(n_kv - (end - start), n_kv)
+        mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]
+        out[start:end] = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    return out
+
+
+CASES = [  # (q heads, kv heads, head_dim, page size)
+    (4, 4, 16, 1),
+    (8, 4, 32, 16),
+    (8, 2, 64, 64),
+    (6, 2, 24, 16),  # a head_dim that is not a power of two
+]
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "page_size"), CASES)
+def test_decode_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) -> None:
+    gen = torch.Generator().manual_seed(q_heads * head_dim + page_size)
+    table = paged_table(page_size, gen)
+    k_cache = torch.randn(ROWS * WIDTH, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(ROWS * WIDTH, kv_heads, head_dim, generator=gen)
+    seq_lens = [1, 3, 17, 290, 64, 33]  # shorter than the number of splits, mid-page, long
+    rows = [7, 0, 2, 5, 1, 3]
+    q = torch.randn(len(rows), q_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    got = decode_attention(
+        q, k_cache, v_cache, table, torch.tensor(rows, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32), scale,
+    )  # fmt: skip
+    want = reference(q, k_cache, v_cache, table, rows, seq_lens, list(range(len(rows) + 1)), scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "page_size"), CASES)
+def test_extend_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) -> None:
+    gen = torch.Generator().manual_seed(q_heads + head_dim * page_size)
+    table = paged_table(page_size, gen)
+    k_cache = torch.randn(ROWS * WIDTH, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(ROWS * WIDTH, kv_heads, head_dim, generator=gen)
+    # (cached prefix, new tokens): a whole prompt, a prefix ending mid-page, single decode
+    # tokens mixed in, a chunk longer than one block of queries
+    shape = [(0, 70), (13, 9), (40, 1), (0, 1), (29, 35), (5, 1)]
+    rows = [1, 4, 0, 6, 2, 7]
+    seq_lens = [p + n for p, n in shape]
+    qo = [0]
+    for _, n in shape:
+        qo.append(qo[-1] + n)
+    q = torch.randn(qo[-1], q_heads, head_dim, generator=gen)
+    scale = head_dim**-0.5
+    got = extend_attention(
+        q, k_cache, v_cache, table, torch.tensor(rows, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32),
+        max(n for _, n in shape), scale,
+    )  # fmt: skip
+    want = reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_split_count_is_a_power_of_two_that_shrinks_with_the_batch() -> None:
+    splits = [decode_num_splits(bs, 8) for bs in (1, 4, 32, 256)]
+    assert splits == sorted(splits, reverse=True) and splits[0] == 16 and splits[-1] == 1
+    assert all(s & (s - 1) == 0 for s in splits)
+
+
+def test_registry_offers_triton_but_auto_keeps_torch_on_cpu(monkeypatch) -> None:
+    assert select_backend("triton", CPU, torch.float32, 16) is TritonAttnBackend
+    assert select_backend("auto", CPU, torch.float32, 16) is TorchAttnBackend
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
+        select_backend("triton", CPU, torch.float32, 16)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_llm_with_triton_gives_the_torch_backends_tokens(page_size: int) -> None:
+    path = need(TINY["qwen3"])
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [8, 9, 10, 11, 12] * 5, [13]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    kw = dict(
+        max_running_req=4,
+        num_page_override=256,
+        max_seq_len_override=64,
+        page_size=page_size,
+        max_prefill_length=16,  # the long prompt comes in chunks next to the others
+    )
+    out = {}
+    saved = ENV.DISABLE_OVERLAP_SCHEDULING.value
+    ENV.DISABLE_OVERLAP_SCHEDULING.value = True
+    try:
+        for attn, graphs in (("torch", 0), ("triton", 0), ("triton", 4)):
+            llm = LLM(str(path), attention_backend=attn, cuda_graph_max_bs=graphs, **kw)
+            assert llm.engine.attn_backend.name == attn
+            out[attn, graphs] = [o["token_ids"] for o in llm.generate(prompts, params, False)]
+            llm.shutdown()
+    finally:
+        ENV.DISABLE_OVERLAP_SCHEDULING.value = saved
+    assert out["triton", 0] == out["torch", 0]
+    assert out["triton", 4] == out["torch", 0]  # emulated graphs through the static buffers
