@@ -146,3 +146,90 @@ def test_llm_with_triton_gives_the_torch_backends_tokens(page_size: int) -> None
         ENV.DISABLE_OVERLAP_SCHEDULING.value = saved
     assert out["triton", 0] == out["torch", 0]
     assert out["triton", 4] == out["torch", 0]  # emulated graphs through the static buffers
+
+
+# ---- the flash-attn adapter, with a stand-in module ------------------------------------------
+
+
+def _paged_sdpa(q, k_pages, v_pages, pages, n_kv, scale) -> torch.Tensor:
+    """q [n, heads, dim] are the last n of n_kv positions; keys come page by page."""
+    keys = k_pages[pages].flatten(0, 1)[:n_kv].transpose(0, 1)
+    values = v_pages[pages].flatten(0, 1)[:n_kv].transpose(0, 1)
+    q_pos = torch.arange(n_kv - len(q), n_kv)
+    mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    ).transpose(0, 1)
+
+
+def _with_kvcache(q, k_cache, v_cache, *, cache_seqlens, block_table, softmax_scale, causal):
+    assert causal and q.dim() == 4 and q.size(1) == 1 and k_cache.dim() == 4
+    out = torch.empty_like(q)
+    for i, n_kv in enumerate(cache_seqlens.tolist()):
+        pages = block_table[i, : -(-n_kv // k_cache.size(1))].long()
+        out[i] = _paged_sdpa(q[i], k_cache, v_cache, pages, n_kv, softmax_scale)
+    return out
+
+
+def _varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            causal, block_table):  # fmt: skip
+    assert causal and cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+    out = torch.empty_like(q)
+    qo, lens = cu_seqlens_q.tolist(), cu_seqlens_k.diff().tolist()
+    assert max(lens) <= max_seqlen_k and max(b - a for a, b in zip(qo, qo[1:])) == max_seqlen_q
+    for i, n_kv in enumerate(lens):
+        pages = block_table[i, : -(-n_kv // k.size(1))].long()
+        out[qo[i] : qo[i + 1]] = _paged_sdpa(q[qo[i] : qo[i + 1]], k, v, pages, n_kv, softmax_scale)
+    return out
+
+
+@pytest.fixture
+def fake_flash_attn(monkeypatch):
+    import importlib.util
+    import sys
+    import types
+
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_with_kvcache = _with_kvcache
+    module.flash_attn_varlen_func = _varlen
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        "importlib.util.find_spec",
+        lambda name, *a: object() if name == "flash_attn" else (
+            None if name == "flash_attn_interface" else find_spec(name, *a)
+        ),
+    )  # fmt: skip
+
+
+def test_fa_says_what_it_needs(monkeypatch, fake_flash_attn) -> None:
+    cuda = torch.device("cuda")  # only the declarations are asked; nothing touches a GPU
+    assert select_backend("fa", cuda, torch.bfloat16, 256).name == "fa"
+    with pytest.raises(ValueError, match="multiple of 256 tokens, and the page size is 16"):
+        select_backend("fa", cuda, torch.bfloat16, 16)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        select_backend("fa", CPU, torch.bfloat16, 256)
+    assert select_backend("auto", cuda, torch.bfloat16, 256).name != "fa"  # only by name
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None)
+    with pytest.raises(ValueError, match="flash_attn package is not installed.*--attn triton"):
+        select_backend("fa", cuda, torch.bfloat16, 256)
+
+
+def test_fa_adapter_plumbing_equals_torch_backend(fake_flash_attn) -> None:
+    from helpers import SMOL, Driver, make_engine
+
+    from minisgl.attention.fa import FlashAttnBackend
+    from minisgl.engine.graph import GraphRunner
+
+    path = need(SMOL)  # a real model: its next token depends on the context it attends to
+    prompts = [[504, 3575, 282, 4649, 314], [1971, 1377, 4159, 3054, 28], [504], [1, 2, 3, 4]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    want = Driver(make_engine(path, page_size=4)).generate(prompts, params)
+    engine = make_engine(path, page_size=4)
+    mc = engine.model_config
+    fa = FlashAttnBackend(engine.kv_cache, engine.page_table, mc.head_dim**-0.5)
+    engine.attn_backend = engine.ctx.attn_backend = fa
+    engine.graph_runner = GraphRunner(
+        engine.model, fa, engine.dummy_req, [1, 2, 4], engine.max_seq_len, mc.vocab_size, CPU
+    )
+    assert Driver(engine).generate(prompts, params) == want  # decode steps replay graphs

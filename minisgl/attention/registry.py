@@ -12,6 +12,7 @@ import logging
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
+from minisgl.attention.fa import FlashAttnBackend  # [ch20]
 from minisgl.attention.fi import FlashInferBackend  # [ch19]
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.attention.triton_backend import TritonAttnBackend  # [ch20]
@@ -24,6 +25,7 @@ BACKENDS: dict[str, type[BaseAttnBackend]] = {
     for cls in (
         FlashInferBackend,  # [ch19]
         TritonAttnBackend,  # [ch20]
+        FlashAttnBackend,  # [ch20]
         TorchAttnBackend,
     )
 }

@@ -1,1 +1,1 @@
-"""Our own GPU kernels, in Triton; on a CPU they run in Triton's interpreter (TRITON_INTERPRET=1)."""
+"""Our own GPU kernels, in Triton. On a CPU they run in its interpreter (TRITON_INTERPRET=1)."""
