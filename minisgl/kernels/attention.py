@@ -33,6 +33,32 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _attend_block(
+    q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
+    kv_mask, visible, sm_scale, m_i, l_i, acc, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One step of the online softmax: queries q attend to the keys in `slots` where
+    `visible`; the running max m_i, sum l_i and output acc are rescaled and extended."""
+    k = tl.load(
+        K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    v = tl.load(
+        V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, PageTable, Rows, SeqLens, OutPartial, LsePartial,
     sm_scale,
@@ -70,25 +96,10 @@ def _decode_split_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = _dot(q, tl.trans(k), IEEE)
-        s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
+            n_mask[:, None] & d_mask[None, :], n_mask[None, :], sm_scale, m_i, l_i, acc, IEEE,
+        )  # fmt: skip
 
     # An empty split (a sequence shorter than the number of splits) weighs nothing.
     has_keys = l_i > 0
@@ -170,27 +181,11 @@ def _extend_kernel(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        s = _dot(q, tl.trans(k), IEEE)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s * sm_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m_i = m_new
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
+            n_mask[:, None] & d_mask[None, :], visible, sm_scale, m_i, l_i, acc, IEEE,
+        )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
