@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from minisgl.layers.moe import MoEBlock
+from minisgl.layers.moe import (
+    HAS_TRITON,  # [ch22]
+    MoEBlock,
+)
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaMLP
 from minisgl.models.qwen3 import Qwen3ForCausalLM
@@ -12,6 +15,10 @@ from minisgl.models.qwen3 import Qwen3ForCausalLM
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     cuda_graph_blocker = "the reference MoE layer counts tokens per expert on the host"  # [ch18]
+    # >>> ch22 on CUDA with Triton the fused MoE runs, which groups tokens on the device
+    if HAS_TRITON:
+        cuda_graph_blocker = None
+    # <<< ch22
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         if config.moe is None:
