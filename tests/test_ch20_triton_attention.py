@@ -28,6 +28,13 @@ pytestmark = pytest.mark.skipif(
     reason="needs a GPU or Triton's interpreter",
 )
 CPU = torch.device("cpu")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the kernels run
+
+
+def on_dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEV) for t in tensors]
+
+
 ROWS, WIDTH = 8, 320
 
 
@@ -75,9 +82,10 @@ def test_decode_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) 
     q = torch.randn(len(rows), q_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
     got = decode_attention(
-        q, k_cache, v_cache, table, torch.tensor(rows, dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32), scale,
-    )  # fmt: skip
+        *on_dev(q, k_cache, v_cache, table, torch.tensor(rows, dtype=torch.int32),
+                torch.tensor(seq_lens, dtype=torch.int32)),
+        scale,
+    ).cpu()  # fmt: skip
     want = reference(q, k_cache, v_cache, table, rows, seq_lens, list(range(len(rows) + 1)), scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -99,10 +107,10 @@ def test_extend_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) 
     q = torch.randn(qo[-1], q_heads, head_dim, generator=gen)
     scale = head_dim**-0.5
     got = extend_attention(
-        q, k_cache, v_cache, table, torch.tensor(rows, dtype=torch.int32),
-        torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32),
+        *on_dev(q, k_cache, v_cache, table, torch.tensor(rows, dtype=torch.int32),
+                torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)),
         max(n for _, n in shape), scale,
-    )  # fmt: skip
+    ).cpu()  # fmt: skip
     want = reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
@@ -114,6 +122,7 @@ def test_split_count_is_a_power_of_two_that_shrinks_with_the_batch() -> None:
 
 
 def test_registry_offers_triton_but_auto_keeps_torch_on_cpu(monkeypatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select_backend("triton", CPU, torch.float32, 16) is TritonAttnBackend
     assert select_backend("auto", CPU, torch.float32, 16) is TorchAttnBackend
     monkeypatch.delenv("TRITON_INTERPRET")
@@ -121,6 +130,7 @@ def test_registry_offers_triton_but_auto_keeps_torch_on_cpu(monkeypatch) -> None
         select_backend("triton", CPU, torch.float32, 16)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_llm_with_triton_gives_the_torch_backends_tokens(page_size: int) -> None:
     path = need(TINY["qwen3"])

@@ -46,7 +46,9 @@ def _attend_block(
     )
     s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * sm_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+    # A row that has seen no key yet (not reachable with today's callers, but cheap to
+    # guard) would otherwise compute exp(-inf - -inf) = nan.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(s - m_safe[:, None])
     alpha = tl.exp(m_i - m_safe)
     v = tl.load(
@@ -101,7 +103,8 @@ def _decode_split_kernel(
             n_mask[:, None] & d_mask[None, :], n_mask[None, :], sm_scale, m_i, l_i, acc, IEEE,
         )  # fmt: skip
 
-    # An empty split (a sequence shorter than the number of splits) weighs nothing.
+    # A split past the end of the keys (each covers cdiv(seq_len, NUM_SPLITS) of them, so
+    # the last ones can be empty) weighs nothing in the merge.
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
