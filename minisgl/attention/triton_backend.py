@@ -55,6 +55,12 @@ class TritonAttnBackend(BaseAttnBackend):
             return "the triton package is not installed (it comes with torch's CUDA builds)"
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             return "on a CPU its kernels run only in Triton's interpreter: set TRITON_INTERPRET=1"
+        if (
+            device.type == "cuda"
+            and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) < (8, 0)
+        ):
+            return "bfloat16 matrix products in Triton need an Ampere or newer GPU"
         return super().unavailable_reason(device, dtype, page_size)  # any page size
 
     def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
