@@ -2,11 +2,14 @@
 
 It drives the same worker processes as the HTTP server, through the same frontend, so
 what you see here is what an API client would get: streamed, incrementally decoded text.
+Ctrl-C while a reply streams stops that reply (its request is aborted) and the chat goes
+on; at the prompt, Ctrl-C quits, as it does in any program.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import threading
 
@@ -16,20 +19,25 @@ from minisgl.server.api_server import APIError, Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.protocol import UNLIMITED
 
-HELP = "Type a message. /reset forgets the conversation, /exit (or Ctrl-D) quits."
+HELP = (
+    "Type a message. Ctrl-C stops a reply, /reset forgets the conversation, "
+    "/exit (or Ctrl-D) quits."
+)
 
 
 def _read_lines(
     loop: asyncio.AbstractEventLoop, lines: asyncio.Queue, wanted: threading.Event
 ) -> None:
-    # A daemon thread: a read blocked on the terminal must not keep the process alive.
+    # A daemon thread: a read blocked on the terminal must not keep the process alive. It
+    # reads stdin unbuffered: blocked in input(), it would hold the buffer's lock, and the
+    # interpreter, exiting on a Ctrl-C at the prompt, would abort for want of that lock.
+    stdin = sys.stdin.buffer.raw
     while True:
         wanted.wait()  # prompt only once the previous reply is printed
         wanted.clear()
-        try:
-            line = input("> ")
-        except EOFError:
-            line = None
+        print("> ", end="", flush=True)
+        data = stdin.readline()
+        line = data.decode(errors="replace") if data else None  # b"": end of input
         loop.call_soon_threadsafe(lines.put_nowait, line)
         if line is None:
             return
@@ -63,34 +71,56 @@ async def run_shell(frontend: Frontend, tree: ProcessTree) -> int:
                 print("a worker process died; exiting", file=sys.stderr)
                 return 1
             history.append({"role": "user", "content": line})
-            reply = await _stream_reply(frontend, history)
-            if reply is None:
-                history.pop()
+            parts: list[str] = []  # the reply as far as it got
+            reply = asyncio.create_task(_stream_reply(frontend, history, parts))
+            await _unless_ctrl_c(reply)
+            if reply.cancelled():
+                print("\n(stopped)", flush=True)
+                # What was shown stays in the conversation; if nothing was, nor does the line.
+                answered = any(parts)
             else:
-                history.append({"role": "assistant", "content": reply})
+                answered = reply.result()
+            if answered:
+                history.append({"role": "assistant", "content": "".join(parts)})
+            else:
+                history.pop()
     finally:
         receiver.cancel()
 
 
-async def _stream_reply(frontend: Frontend, history: list[dict[str, str]]) -> str | None:
+async def _unless_ctrl_c(task: asyncio.Task) -> None:
+    """Wait for `task`; a Ctrl-C meanwhile cancels it instead of ending the shell."""
+    loop = asyncio.get_running_loop()
+    previous = signal.getsignal(signal.SIGINT)
+    loop.add_signal_handler(signal.SIGINT, task.cancel)
+    try:
+        await asyncio.wait([task])
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)  # at the prompt, Ctrl-C quits again
+
+
+async def _stream_reply(
+    frontend: Frontend, history: list[dict[str, str]], parts: list[str]
+) -> bool:
+    """Print the reply as it streams, collecting it in `parts`; False if it was refused."""
     msg = TokenizeMsg(
         next(frontend.uids),
         SamplingParams(temperature=0.0, max_tokens=UNLIMITED),
         messages=list(history),
     )
-    try:
+    finished = False
+    try:  # whatever ends the reply early (a refusal, Ctrl-C) aborts its request
         queue, _ = await frontend.open([msg])
-    except APIError as e:
-        print(f"error: {e.message}", flush=True)
-        return None
-    parts: list[str] = []
-    try:
-        while True:
+        while not finished:
             delta: DeltaMsg = await queue.get()
             parts.append(delta.text)
             print(delta.text, end="", flush=True)
-            if delta.finished:
-                print(flush=True)
-                return "".join(parts)
+            finished = delta.finished
+        print(flush=True)
+        return True
+    except APIError as e:
+        print(f"error: {e.message}", flush=True)
+        return False
     finally:
-        await frontend.close([msg.uid], abort=not parts or not delta.finished)
+        await frontend.close([msg.uid], abort=not finished)

@@ -4,7 +4,8 @@
 The reference for every greedy or seeded answer is the offline `LLM` in this process, on the
 same weights in fp32 with the same sampling parameters; chat prompts are rendered with the
 model's chat template and tokenized without added special tokens, as the tokenizer worker
-does. One server serves the API tests; the shutdown tests start their own, in parallel.
+does. One server serves the API tests, a bounded fuzz of hostile requests among them; the
+shutdown tests start their own, in parallel.
 
 Every process runs torch on one thread: the test machine has two cores shared with other
 jobs, and oversubscribed threads make a decode step several times slower.
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import random
 import re
 import signal
 import socket
@@ -654,6 +657,7 @@ def test_prompt_longer_than_the_context(server, tok, stream):
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream}
     err = check_error(httpx.post(server.base + "/v1/completions", json=body, timeout=60), 400)
     assert str(n) in err["message"] and str(CONTEXT) in err["message"], err
+    assert err["code"] == "context_length_exceeded", err
 
 
 def test_unknown_model_is_a_404(server):
@@ -673,6 +677,134 @@ def test_openai_client_raises_on_bad_input(client):
     assert e.value.status_code == 400
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="Hi")
+
+
+# ---- hostile input: a bounded fuzz -------------------------------------------------------
+
+BIG = 2**64  # one past what msgpack can carry
+VOCAB = 49152  # SmolLM2's
+
+# Values that each field refuses, sent on the endpoints that have the field.
+NEVER_VALID: dict[str, list[Any]] = {
+    "max_tokens": [0, -3, BIG, -BIG, 10**30, 1.5, "eight"],
+    "temperature": [-0.1, 2.5, 1e308, math.inf, math.nan, "hot"],
+    "top_p": [0, 1.5, -1, math.nan],
+    "top_k": [0, -2, BIG, -BIG],
+    "n": [0, 129, BIG],
+    "seed": [-1, BIG],
+    "presence_penalty": [2.5, -3, math.inf],
+    "frequency_penalty": [3, -2.5],
+    "repetition_penalty": [0, -1, math.inf],
+    "stop": [["a", "b", "c", "d", "e"], "\ud800", ["ok", "\udfff"], 5],
+    "stop_token_ids": [[BIG], [-1], [VOCAB], "1"],
+    "logit_bias": [{"42": 101}, {"42": -100.5}, {"abc": 1}, {str(BIG): 1}, {str(VOCAB): 1}, [1]],
+    "stream": ["maybe", [True]],
+    "stream_options": ["x"],
+    "model": [5, None, "no-such-model", "\ud800"],
+    "prompt": ["Hi \ud800 there", [1, BIG], [[1, BIG]], [], "", ["a", "b"], {"a": 1}, [-1]],
+    "logprobs": [21, -1, BIG],
+    "messages": [
+        [],
+        "Hi",
+        [{"role": "user", "content": "Hi \ud800 there"}],
+        [{"role": "robot", "content": "Hi"}],
+        [{"role": "user"}],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    ],
+    "top_logprobs": [21, -1, 3],  # 3 without logprobs: true
+    "tools": [[{"type": "function", "function": {"name": "f", "parameters": {}}}]],
+    "tool_choice": ["auto", "none"],
+}
+ONLY_ON = {
+    "prompt": "completions",
+    "logprobs": "completions",
+    "messages": "chat/completions",
+    "top_logprobs": "chat/completions",
+    "tools": "chat/completions",
+    "tool_choice": "chat/completions",
+}
+
+
+@dataclass
+class Hostile:
+    name: str
+    method: str
+    path: str
+    body: bytes | None
+    status: int = 400
+    content_type: str = "application/json"
+
+
+def valid_body(path: str) -> dict[str, Any]:
+    if path == "chat/completions":
+        return {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+    return {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+
+
+def as_json(body: Any) -> bytes:
+    # Not httpx's json=: it refuses NaN and lone surrogates, which are the point here.
+    return json.dumps(body).encode()
+
+
+def hostile_requests(seed: int = 14, sampled: int = 36) -> list[Hostile]:
+    """Requests built by hand to break the framework, then a seeded sample of bad fields."""
+    ok = as_json(valid_body("completions"))
+    cut = random.Random(seed).randrange(1, len(ok) - 1)
+    cases = [
+        Hostile("not-utf8", "POST", "completions", ok[:-2] + b'"\xff\xfe"}'),
+        Hostile("nested-100k", "POST", "chat/completions", b"[" * 100_000 + b"]" * 100_000),
+        Hostile("infinity-literal", "POST", "completions", ok[:-1] + b', "temperature": Infinity}'),
+        Hostile("truncated", "POST", "completions", ok[:cut]),
+        Hostile("empty", "POST", "completions", b""),
+        Hostile("array", "POST", "chat/completions", b"[]"),
+        Hostile("string", "POST", "completions", b'"prompt"'),
+        Hostile("text-plain", "POST", "completions", ok, content_type="text/plain"),
+        Hostile(
+            "too-long", "POST", "completions", as_json({**valid_body(""), "prompt": "hi " * 300})
+        ),
+        Hostile("unknown-path", "GET", "nope", None, 404),
+        Hostile("unknown-post", "POST", "chat/complete", ok, 404),
+        Hostile("get-completions", "GET", "completions", None, 405),
+        Hostile("delete-chat", "DELETE", "chat/completions", None, 405),
+        Hostile("post-models", "POST", "models", ok, 405),
+    ]
+    fields = [
+        (path, name, value)
+        for name, values in NEVER_VALID.items()
+        for value in values
+        for path in ("completions", "chat/completions")
+        if ONLY_ON.get(name, path) == path
+    ]
+    for path, name, value in random.Random(seed).sample(fields, sampled):
+        status = 404 if name == "model" and isinstance(value, str) else 400
+        body = as_json({**valid_body(path), "stream": True, name: value})
+        cases.append(Hostile(f"{path}-{name}={value!r}", "POST", path, body, status))
+    return cases
+
+
+def test_fuzz_hostile_requests_get_openai_errors(server, llm):
+    cases = hostile_requests()
+    assert len(cases) == 50
+    before = metrics(server)
+    with httpx.Client(base_url=server.base + "/v1/", timeout=60) as http:
+        for case in cases:
+            headers = {"content-type": case.content_type}
+            r = http.request(case.method, case.path, content=case.body, headers=headers)
+            try:
+                err = check_error(r, case.status)
+            except AssertionError as e:
+                raise AssertionError(f"{case.name}: {e}") from None
+            if case.name == "too-long":
+                assert err["code"] == "context_length_exceeded", err
+    after = metrics(server)
+    assert after["minisgl_failed_requests_total"] - before["minisgl_failed_requests_total"] == 50
+    assert after["minisgl_requests_total"] == before["minisgl_requests_total"], "one got through"
+    # The server still answers, and correctly.
+    assert httpx.get(server.base + "/health").status_code == 200
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0}
+    r = httpx.post(server.base + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == offline(llm, PROMPT, MAX)["text"]
 
 
 def test_serves_after_bad_input(server, client, llm):
@@ -723,6 +855,14 @@ def test_disconnected_streams_free_their_pages(server, client, llm):
 
 
 # ---- models and metrics -------------------------------------------------------------------
+
+
+def test_workers_are_named_in_ps(server):
+    titles = [
+        Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        for pid in descendants(server.proc.pid)
+    ]
+    assert {"minisgl::scheduler", "minisgl::tokenizer"} <= set(titles), titles
 
 
 def test_models_lists_the_served_model(server, client):
@@ -799,6 +939,14 @@ def spares(tmp_path_factory) -> Iterator[list[Server]]:
     finally:
         for s in servers:
             stop(s, trees.get(s.proc.pid, []))
+
+
+def test_metrics_from_start_up(spares):
+    """Before any request, /metrics already knows the size of the KV pool."""
+    m = metrics(spares[0])
+    assert m["minisgl_requests_total"] == 0, m
+    assert m["minisgl_kv_pages_total"] == 256, m  # --num-pages 256
+    assert m["minisgl_kv_pages_in_use"] == 0, m
 
 
 def check_stops(server: Server, send: Any) -> None:

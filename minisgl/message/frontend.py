@@ -35,6 +35,7 @@ class RejectedMsg:
 
     uid: int
     message: str
+    code: str | None = None  # OpenAI's machine-readable reason, e.g. "context_length_exceeded"
 
 
 @dataclass

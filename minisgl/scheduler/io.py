@@ -74,6 +74,7 @@ def run_scheduler_worker(config: SchedulerConfig, ipc_dir: str, log_level: str) 
             {
                 "max_seq_len": engine.max_seq_len,
                 "max_kv_tokens": engine.num_pages * engine.page_size,
+                "kv_pages_total": engine.num_pages,
                 "vocab_size": engine.model_config.vocab_size,
                 "device": str(engine.device),
             },

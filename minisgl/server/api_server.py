@@ -2,6 +2,9 @@
 
 Each request is sent to the tokenizer worker; its tokens come back as text deltas on one
 socket that a background task reads and routes to the waiting handler by request id.
+
+Every refusal, ours or the framework's (a body that is not JSON, an unknown path), has
+OpenAI's error shape, so that clients written for OpenAI show the message.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from minisgl.core import SamplingParams
 from minisgl.message.backend import AbortMsg, SchedulerStats
+from minisgl.message.codec import encode
 from minisgl.message.frontend import AcceptedMsg, DeltaMsg, RejectedMsg, TokenizeMsg
 from minisgl.message.transport import AsyncReader, AsyncWriter, address
 from minisgl.server.metrics import Metrics
@@ -42,15 +48,23 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (
             status,
-            message,
-            param,
+            _printable(message),
+            None if param is None else _printable(param),
             kind,
             code,
         )
 
-    def response(self) -> JSONResponse:
-        body = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+    def body(self) -> dict[str, Any]:
+        err = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": err}
+
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def _printable(text: str) -> str:
+    # A message may quote the client's input; a lone surrogate in it could not be sent as UTF-8.
+    return text.encode("utf-8", "backslashreplace").decode()
 
 
 @dataclass
@@ -71,13 +85,13 @@ class Choice:
 class Frontend:
     """The API server's end of the pipes to the workers."""
 
-    def __init__(self, ipc_dir: str) -> None:
+    def __init__(self, ipc_dir: str, kv_pages_total: int = 0) -> None:
         ctx = zmq.asyncio.Context()
         self.to_tokenizer = AsyncWriter(ctx, address(ipc_dir, "tokenizer"))
         self.inbox = AsyncReader(ctx, address(ipc_dir, "api"))
         self.queues: dict[int, asyncio.Queue] = {}
         self.uids = itertools.count()
-        self.metrics = Metrics()
+        self.metrics = Metrics(kv_pages_total)
 
     async def receive_forever(self) -> None:
         while True:
@@ -89,20 +103,38 @@ class Frontend:
 
     async def open(self, msgs: list[TokenizeMsg]) -> tuple[asyncio.Queue, int]:
         """Submit the requests; returns their shared queue and their total prompt tokens."""
+        for msg in msgs:
+            try:  # the request models let through only what msgpack carries; a last check
+                encode(msg)
+            except (OverflowError, UnicodeEncodeError) as e:
+                raise APIError(400, f"the request cannot be passed on: {e}") from None
         queue: asyncio.Queue = asyncio.Queue()
+        uids = [m.uid for m in msgs]
         for msg in msgs:
             self.queues[msg.uid] = queue
             await self.to_tokenizer.send(msg)
-        prompt_tokens, error = 0, None
-        for _ in msgs:
-            reply = await queue.get()
-            if isinstance(reply, RejectedMsg):
-                error = reply.message
-            elif isinstance(reply, AcceptedMsg):
-                prompt_tokens = reply.prompt_tokens
-        if error is not None:
-            await self.close([m.uid for m in msgs], abort=True)
-            raise APIError(400, error, "messages" if msgs[0].messages else "prompt")
+        prompt_tokens, refusal, early = 0, None, []
+        waiting = set(uids)
+        try:
+            while waiting:
+                reply = await queue.get()
+                if isinstance(reply, AcceptedMsg):
+                    prompt_tokens = reply.prompt_tokens
+                elif isinstance(reply, RejectedMsg):
+                    refusal = reply
+                else:  # a choice already accepted may produce tokens before the others are
+                    early.append(reply)
+                    continue
+                waiting.discard(reply.uid)
+        except asyncio.CancelledError:
+            await self.close(uids, abort=True)
+            raise
+        if refusal is not None:
+            await self.close(uids, abort=True)
+            param = "messages" if msgs[0].messages else "prompt"
+            raise APIError(400, refusal.message, param, code=refusal.code)
+        for reply in early + [queue.get_nowait() for _ in range(queue.qsize())]:
+            queue.put_nowait(reply)  # back in their order, ahead of what came after
         self.metrics.requests += len(msgs)
         self.metrics.prompt_tokens += prompt_tokens  # n choices share one prompt
         return queue, prompt_tokens
@@ -133,24 +165,55 @@ class Frontend:
 
 
 def create_app(
-    frontend: Frontend, model_name: str, healthy: Callable[[], bool], aliases: tuple[str, ...] = ()
+    frontend: Frontend,
+    model_name: str,
+    healthy: Callable[[], bool],
+    vocab_size: int,
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     app = FastAPI(title="minisgl")
 
+    def refuse(error: APIError, headers: dict[str, str] | None = None) -> Response:
+        frontend.metrics.failed_requests += 1
+        return error.response(headers)
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        frontend.metrics.failed_requests += 1
-        return exc.response()
+        return refuse(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        frontend.metrics.failed_requests += 1
-        err = exc.errors()[0]
-        loc = [str(x) for x in err.get("loc", []) if x != "body"]
+        errors = exc.errors()
+        err = errors[0]
         if err.get("type") == "json_invalid":
-            return APIError(400, f"malformed JSON: {err.get('msg')}").response()
-        param = ".".join(loc) or None
-        return APIError(400, f"{param or 'body'}: {err.get('msg')}", param).response()
+            why = err.get("ctx", {}).get("error", err.get("msg"))
+            return refuse(APIError(400, f"malformed JSON: {why}"))
+        # A union (a prompt is text or token ids) fails once per branch: the branch that took
+        # the value's type, but not the value, says best what is wrong.
+        wrong_type = ("_type", "_parsing")
+        err = next((e for e in errors if not str(e.get("type")).endswith(wrong_type)), err)
+        # The path to the bad value, without the names pydantic gives a union's branches.
+        loc = [str(x) for x in err.get("loc", []) if isinstance(x, int) or x.isidentifier()]
+        param = ".".join(loc[1:] if loc[:1] == ["body"] else loc) or None
+        msg = str(err.get("msg")).removeprefix("Value error, ")
+        return refuse(APIError(400, f"{param or 'body'}: {msg}", param))
+
+    @app.exception_handler(HTTPException)
+    async def _framework_error(request: Request, exc: HTTPException) -> Response:
+        # Refusals from FastAPI itself: a body it cannot parse, an unknown path, a wrong method.
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"no such endpoint: {where}", 405: f"method not allowed: {where}"}.get(
+            exc.status_code, str(exc.detail)
+        )
+        if exc.__cause__ is not None:  # the body is not UTF-8, or is nested too deep, ...
+            message = f"{message}: {exc.__cause__}"
+        return refuse(APIError(exc.status_code, message), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, exc: Exception) -> Response:
+        # Still an error body a client can read; the traceback goes to the log as well.
+        message = f"internal error ({type(exc).__name__}); the server log has the details"
+        return APIError(500, message, kind="server_error").response()
 
     @app.get("/health")
     async def health() -> Response:
@@ -167,44 +230,53 @@ def create_app(
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "minisgl"}
         return {"object": "list", "data": [card]}
 
-    def check_model(name: str) -> None:
-        if name != model_name and name not in aliases:
+    def sampling(
+        body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: bool
+    ) -> list[SamplingParams]:
+        """One SamplingParams per choice, after the checks the request models cannot make."""
+        if body.model != model_name and body.model not in aliases:
             raise APIError(
                 404,
-                f"model {name!r} does not exist; this server has {model_name!r}",
+                f"model {body.model!r} does not exist; this server has {model_name!r}",
                 "model",
                 code="model_not_found",
             )
+        for param, ids in body.token_ids().items():
+            if outside := [t for t in ids if t >= vocab_size]:
+                message = f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+                raise APIError(400, f"{param}: {message}", param)
+        try:
+            return [body.sampling_params(max_tokens, logprobs, i) for i in range(body.n)]
+        except ValueError as e:  # the request models check these ranges first; a last line
+            raise APIError(400, str(e)) from None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
         prompt = body.prompt
         msgs = [
             TokenizeMsg(
                 next(frontend.uids),
-                body.sampling_params(body.max_tokens, bool(body.logprobs), i),
+                params,
                 prompt=prompt if isinstance(prompt, str) else None,
                 input_ids=None if isinstance(prompt, str) else list(prompt),
                 stop=body.stop_strings(),
                 skip_special_tokens=body.skip_special_tokens,
             )
-            for i in range(body.n)
+            for params in sampling(body, body.max_tokens, bool(body.logprobs))
         ]
         return await respond(request, body, msgs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
         msgs = [
             TokenizeMsg(
                 next(frontend.uids),
-                body.sampling_params(body.max_new_tokens(), body.logprobs, i),
+                params,
                 messages=body.plain_messages(),
                 stop=body.stop_strings(),
                 skip_special_tokens=body.skip_special_tokens,
             )
-            for i in range(body.n)
+            for params in sampling(body, body.max_new_tokens(), body.logprobs)
         ]
         return await respond(request, body, msgs, chat=True)
 
@@ -219,7 +291,9 @@ def create_app(
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             while any(c.finish_reason is None for c in choices.values()):
-                delta: DeltaMsg = await queue.get()
+                delta: DeltaMsg | RejectedMsg = await queue.get()
+                if isinstance(delta, RejectedMsg):  # the scheduler's refusal, after ours
+                    raise APIError(400, delta.message, code=delta.code)
                 choice = choices[delta.uid]
                 frontend.record(choice, delta)
                 choice.text.append(delta.text)
@@ -243,7 +317,12 @@ def create_app(
                         [shape.chunk_choice(c.index, {"role": "assistant", "content": ""}, None)]
                     )
             while any(c.finish_reason is None for c in choices.values()):
-                delta: DeltaMsg = await queue.get()
+                delta: DeltaMsg | RejectedMsg = await queue.get()
+                if isinstance(delta, RejectedMsg):  # too late for a status: an error event
+                    frontend.metrics.failed_requests += 1
+                    error = APIError(400, delta.message, code=delta.code)
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    return
                 choice = choices[delta.uid]
                 frontend.record(choice, delta)
                 choice.text.append(delta.text)

@@ -24,11 +24,13 @@ UNHEALTHY_GRACE_S = 2.0  # how long a server with a dead worker reports 503 befo
 
 
 async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
-    frontend = Frontend(tree.ipc_dir)
+    info = tree.scheduler_info
+    frontend = Frontend(tree.ipc_dir, info["kv_pages_total"])
     app = create_app(
         frontend,
         args.served_model_name,
         lambda: tree.dead() is None,
+        info["vocab_size"],
         aliases=(args.scheduler.model_path,),
     )
     server = uvicorn.Server(

@@ -30,7 +30,7 @@ class Histogram:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, kv_pages_total: int = 0) -> None:
         self.requests = 0
         self.failed_requests = 0
         self.prompt_tokens = 0
@@ -39,7 +39,8 @@ class Metrics:
         self.tpot = Histogram(
             "minisgl_time_per_output_token_seconds", "Time per output token after the first."
         )
-        self.stats = SchedulerStats(0, 0, 0, 0, 0, 0)
+        # Until the scheduler's first report: idle, with the pool size it announced at start-up.
+        self.stats = SchedulerStats(0, 0, kv_pages_total, 0, 0, 0)
 
     def render(self) -> str:
         s = self.stats

@@ -4,6 +4,8 @@ Its own module so that both front ends (the HTTP server in launch.py, the shell 
 shell.py) can hold a ProcessTree without importing each other. Workers talk over ipc
 sockets in a private temporary folder (mode 0700); startup waits for each worker's
 ready message, so a worker that cannot start fails the launch instead of hanging it.
+Each worker names itself `minisgl::<name>` (when setproctitle is installed), so that `ps`
+and `top` tell them apart from each other and from the launcher.
 """
 
 from __future__ import annotations
@@ -25,10 +27,17 @@ from minisgl.scheduler.io import run_scheduler_worker
 from minisgl.server.args import ServerArgs
 from minisgl.tokenizer.worker import Limits, run_tokenizer_worker
 
+try:
+    from setproctitle import setproctitle
+except ModuleNotFoundError:  # only the names in `ps` are lost
+    setproctitle = None
+
 logger = logging.getLogger("minisgl")
 
 
-def _ignore_sigint(target: Any, *args: Any) -> None:
+def _worker(name: str, target: Any, *args: Any) -> None:
+    if setproctitle is not None:
+        setproctitle(f"minisgl::{name}")
     # Ctrl-C reaches the whole process group; only the launcher decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     target(*args)
@@ -40,12 +49,14 @@ class ProcessTree:
         self.ipc_dir = tempfile.mkdtemp(prefix="minisgl-")  # mode 0700: ours alone
         self.procs: list[BaseProcess] = []
         self._ready = Reader(zmq.Context.instance(), address(self.ipc_dir, "ready"))
+        self.scheduler_info: dict[str, Any] = {}  # what the scheduler reported at start-up
 
     def start(self) -> None:
         level = self.args.log_level
         info = self._start(
             "scheduler", run_scheduler_worker, self.args.scheduler, self.ipc_dir, level
         )
+        self.scheduler_info = info
         limits = Limits(info["max_seq_len"], info["max_kv_tokens"], info["vocab_size"])
         self._start(
             "tokenizer",
@@ -58,7 +69,7 @@ class ProcessTree:
 
     def _start(self, name: str, target: Any, *args: Any) -> dict[str, Any]:
         proc = mp.get_context("spawn").Process(
-            target=_ignore_sigint, args=(target, *args), name=f"minisgl-{name}", daemon=True
+            target=_worker, args=(name, target, *args), name=f"minisgl-{name}", daemon=True
         )
         proc.start()
         self.procs.append(proc)

@@ -1,18 +1,43 @@
 """The OpenAI request bodies we accept, validated field by field.
 
 Fields we do not know are ignored, as OpenAI-compatible servers do; fields we know must
-have the right type and range, or the client gets a 400 naming the field.
+have the right type and range, or the client gets a 400 naming the field. Ranges are
+OpenAI's. Whatever passes here must also cross our msgpack pipes: integers fit in 64 bits
+and text is valid Unicode, so that nothing reaches the workers that they could choke on.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from minisgl.core import SamplingParams
 
 UNLIMITED = 1 << 30  # "until EOS or the end of the context"
+INT64_END = 1 << 63  # msgpack carries integers of up to 64 bits; prompts and params stay below
+
+
+def _unicode(text: str) -> str:
+    # JSON can spell a lone surrogate ("\ud800"); UTF-8, and so msgpack, cannot carry one.
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the text holds a lone surrogate (\\ud800-\\udfff): not Unicode") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]  # the vocabulary's bound is the server's
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # added to a logit
 
 
 class StreamOptions(BaseModel):
@@ -20,23 +45,24 @@ class StreamOptions(BaseModel):
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
-    temperature: float = Field(1.0, ge=0.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
-    n: int = Field(1, ge=1, le=64)
+    top_k: int = Field(-1, lt=INT64_END)
+    n: int = Field(1, ge=1, le=128)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = Field(None, ge=0, lt=INT64_END)
     ignore_eos: bool = False
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     skip_special_tokens: bool = True
+    logit_bias: dict[TokenId, Bias] | None = None
 
     @field_validator("top_k")
     @classmethod
@@ -47,6 +73,13 @@ class _Common(BaseModel):
 
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def token_ids(self) -> dict[str, list[int]]:
+        """The token ids the request names, by field: each must be in the model's vocabulary."""
+        return {
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "logit_bias": list(self.logit_bias or {}),
+        }
 
     def sampling_params(self, max_tokens: int | None, logprobs: bool, i: int) -> SamplingParams:
         seed = None if self.seed is None else (self.seed + i) % 2**63  # n choices must differ
@@ -66,9 +99,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=1)  # we report the chosen token's only
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, lt=INT64_END)
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: Literal[False] = False
 
     @field_validator("prompt")
@@ -88,7 +121,12 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+    content: Text | list[dict[str, Any]]
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ChatMessage:
+        self.text()  # raises for parts that are not text
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -97,22 +135,36 @@ class ChatMessage(BaseModel):
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("only text content parts are supported")
-            parts.append(part["text"])
+            parts.append(_unicode(part["text"]))
         return "".join(parts)
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, lt=INT64_END)
+    max_completion_tokens: int | None = Field(None, ge=1, lt=INT64_END)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=0)  # only the chosen token's
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    @model_validator(mode="after")
-    def _content(self) -> ChatCompletionRequest:
-        for m in self.messages:
-            m.text()  # raises for non-text parts
-        return self
+    # Tool calling is not implemented: refused, rather than silently answered without tools.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None  # the deprecated spelling of tools
+    function_call: Any = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call")
+    @classmethod
+    def _no_tools(cls, v: Any) -> Any:
+        if v is not None:
+            raise ValueError("tool calling is not supported by this server; leave it out or null")
+        return v
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -22,6 +22,10 @@ from minisgl.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+class TooLong(ValueError):
+    """The prompt does not fit the context (or the KV cache)."""
+
+
 @dataclass
 class Limits:
     """What a prompt must respect, as the scheduler reported at start-up."""
@@ -64,7 +68,8 @@ class TokenizerWorker:
             ids = self.tokenize(msg)
             self.check(ids)
         except ValueError as e:
-            self.to_api.send(RejectedMsg(msg.uid, str(e)))
+            code = "context_length_exceeded" if isinstance(e, TooLong) else None
+            self.to_api.send(RejectedMsg(msg.uid, str(e), code))
             return
         self.detoks[msg.uid] = IncrementalDetokenizer(
             self.tokenizer, ids, msg.stop, msg.skip_special_tokens
@@ -89,12 +94,12 @@ class TokenizerWorker:
         if n == 0:
             raise ValueError("the prompt is empty")
         if n >= lim.max_seq_len:
-            raise ValueError(
+            raise TooLong(
                 f"the prompt has {n} tokens; this model's context is {lim.max_seq_len} tokens, "
                 "including at least one generated token"
             )
         if n + 1 > lim.max_kv_tokens:
-            raise ValueError(f"the prompt has {n} tokens; the KV cache holds {lim.max_kv_tokens}")
+            raise TooLong(f"the prompt has {n} tokens; the KV cache holds {lim.max_kv_tokens}")
         if any(not 0 <= t < lim.vocab_size for t in ids):
             raise ValueError(
                 f"the prompt has token ids outside the vocabulary [0, {lim.vocab_size})"
