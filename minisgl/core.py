@@ -8,6 +8,7 @@ layer deep inside the model can find its positions and attention metadata withou
 
 from __future__ import annotations
 
+import json  # [ch25]
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,6 +19,9 @@ import torch
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API  # [ch25]
 
 
 @dataclass
@@ -35,6 +39,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # the multiplicative one, on prompt and output tokens
     logprobs: bool = False  # report the log-probability of each chosen token
+    # >>> ch25 the rest of the OpenAI API
+    top_logprobs: int = 0  # and of the most likely alternatives at each such position
+    prompt_logprobs: bool = False  # and of every prompt token after the first (echo)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    json_schema: str | None = None  # the output must be JSON that this schema accepts
+    # <<< ch25
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0.0:
@@ -52,6 +62,28 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not self.repetition_penalty > 0.0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        self._check_api_fields()  # [ch25]
+
+    # >>> ch25
+    def _check_api_fields(self) -> None:
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, 20], got {self.top_logprobs}")
+        if self.top_logprobs and not (self.logprobs or self.prompt_logprobs):
+            raise ValueError("top_logprobs needs logprobs or prompt_logprobs")
+        for token, bias in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                raise ValueError(f"logit_bias keys are token ids (ints >= 0), got {token!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        if self.json_schema is not None:
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise ValueError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("json_schema must be a JSON object")
+
+    # <<< ch25
 
     @property
     def is_greedy(self) -> bool:
@@ -104,6 +136,9 @@ class Req:
         self.alloc_len = 0  # tokens the row has pages for
         self.cached_tokens = 0  # prompt tokens that came from the prefix cache
         # <<< ch09
+        # >>> ch25 its prefill computes the log-probability of each prompt token after the first
+        self.wants_prompt_logprobs = False
+        # <<< ch25
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -156,6 +191,9 @@ class Batch:
         self.positions: torch.Tensor  # [num_tokens] int32, device
         self.out_loc: torch.Tensor  # [num_tokens] int32, device: KV slot of each new token
         self.attn_metadata: BaseAttnMetadata
+        # >>> ch25 prefill: the tokens the LM head projects, when not just each request's last
+        self.logit_rows: torch.Tensor | None = None
+        # <<< ch25
 
     @property
     def size(self) -> int:

@@ -30,3 +30,11 @@ def to_device(
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of a device tensor, queued behind the work that computes it: read it only
+    once the device has reached this point (an event recorded after the copy says when)."""
+    if t.device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)

@@ -502,6 +502,200 @@ def test_penalties_change_greedy_output(client, llm, penalty):
     assert ref != plain, "the penalty must change this prompt's greedy output"
 
 
+# >>> ch25 the rest of the API: logit_bias, top and prompt logprobs, structured output
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+ASK_PERSON = [
+    {"role": "user", "content": "Describe a person as JSON: name, age, favourite colour."}
+]
+ASK_OBJECT = [{"role": "user", "content": "Give me a JSON object with the keys a and b."}]
+
+
+def is_person(text: str) -> bool:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return False
+    return (
+        isinstance(doc, dict)
+        and set(doc) == {"name", "age", "color"}
+        and isinstance(doc["name"], str)
+        and len(doc["name"]) <= 20
+        and type(doc["age"]) is int
+        and 18 <= doc["age"] <= 99
+        and doc["color"] in ("red", "green", "blue")
+    )
+
+
+def test_logit_bias_forces_and_forbids(client, llm, tok):
+    forced = tok.encode(" banana")[0]
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={str(forced): 100}
+    )
+    assert out.choices[0].text == " banana" * 3
+    greedy = offline(llm, PROMPT, MAX)["token_ids"][0]
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logit_bias={str(greedy): -100}
+    )
+    assert out.choices[0].text != tok.decode([greedy])
+
+
+def test_chat_top_logprobs(client, llm, tok):
+    ref = offline(llm, chat_ids(tok, CHAT), CHAT_MAX, logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        max_tokens=CHAT_MAX,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    content = out.choices[0].logprobs.content
+    assert len(content) == len(ref["token_ids"]) == len(ref["logprobs"])
+    for entry, token, want in zip(content, ref["token_ids"], ref["logprobs"]):
+        assert [t.token for t in entry.top_logprobs] == [
+            tok.decode([t], skip_special_tokens=False) for t in want["top"]
+        ]
+        got = [t.logprob for t in entry.top_logprobs]
+        assert max(abs(a - b) for a, b in zip(got, want["top"].values())) < 1e-4
+        assert (
+            entry.top_logprobs[0].token
+            == entry.token
+            == tok.decode([token], skip_special_tokens=False)
+        )
+        assert all(bytes(t.bytes) == t.token.encode() for t in entry.top_logprobs)
+    raw = b"".join(bytes(e.bytes) for e in content)
+    assert raw.decode().startswith(out.choices[0].message.content)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_top_logprobs_and_text_offsets(client, stream):
+    params = dict(model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0, logprobs=2)
+    if not stream:
+        choice = client.completions.create(**params).choices[0]
+        text, lp = choice.text, choice.logprobs
+        tokens, values, tops, offsets = (
+            lp.tokens,
+            lp.token_logprobs,
+            lp.top_logprobs,
+            lp.text_offset,
+        )
+    else:
+        text, tokens, values, tops, offsets = "", [], [], [], []
+        for chunk in client.completions.create(**params, stream=True):
+            choice = chunk.choices[0]
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+                tops += choice.logprobs.top_logprobs
+                offsets += choice.logprobs.text_offset
+    assert len(tokens) == len(values) == len(tops) == len(offsets) == MAX
+    for token, value, top, offset in zip(tokens, values, tops, offsets):
+        assert text[offset : offset + len(token)] == token
+        assert len(top) == 2 and top[token] == value == max(top.values())  # greedy
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server, tok):
+    """lm-evaluation-harness's local-completions: echo, logprobs=1, max_tokens 0 (or 1)."""
+    from helpers import hf_logits
+
+    text = "Paris is the capital and largest city of France, on the river Seine."
+    ids = tok.encode(text)
+    ref = torch.log_softmax(hf_logits(SMOL, ids), dim=-1)
+    want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].tolist()
+    body = {"model": MODEL, "prompt": text, "echo": True, "logprobs": 1, "temperature": 0}
+    r = httpx.post(server.base + "/v1/completions", json={**body, "max_tokens": 0}, timeout=300)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    (choice,) = out["choices"]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert max(abs(a - b) for a, b in zip(lp["token_logprobs"][1:], want)) < 1e-4
+    assert all(text[o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"]))
+    # As lm-eval reads it today: max_tokens 1, the continuation is [ctxlen:-1].
+    ctxlen = 5
+    r = httpx.post(server.base + "/v1/completions", json={**body, "max_tokens": 1}, timeout=300)
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) + 1
+    score = sum(lp["token_logprobs"][ctxlen:-1])
+    assert abs(score - sum(want[ctxlen - 1 :])) < 1e-3
+    is_greedy = all(
+        v == max(top.values())
+        for v, top in zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1])
+    )
+    assert is_greedy == all(ref[i - 1].argmax().item() == ids[i] for i in range(ctxlen, len(ids)))
+
+
+def test_echo_streams_the_prompt_first(client):
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, stream=True
+        )
+    )
+    assert chunks[0].choices[0].text == PROMPT
+    whole = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, echo=True
+    )
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert whole.choices[0].text.startswith(PROMPT) and len(whole.choices[0].text) > len(PROMPT)
+
+
+def test_json_schema_twenty_of_twenty(client):
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=ASK_PERSON,
+        max_tokens=64,
+        temperature=1.0,
+        seed=7,
+        n=20,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    texts = [c.message.content for c in out.choices]
+    assert sum(is_person(t) for t in texts) == 20, texts
+
+
+def test_json_object(client):
+    kw = dict(model=MODEL, messages=ASK_OBJECT, max_tokens=48, temperature=0)
+    free = client.chat.completions.create(**kw).choices[0].message.content
+    with pytest.raises(ValueError):
+        json.loads(free)  # left alone, the model wraps it in a markdown fence
+    out = client.chat.completions.create(**kw, response_format={"type": "json_object"})
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such"}}},
+        {"type": "json_schema"},
+        {"type": "xml"},
+    ],
+    ids=["unknown-type", "no-schema", "no-such-format"],
+)
+def test_bad_response_format_is_a_400(server, response_format):
+    body = {"model": MODEL, "messages": CHAT, "response_format": response_format}
+    r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+    err = check_error(r, 400)
+    assert "schema" in err["message"] or "response_format" in err["message"], err
+
+
+# <<< ch25
 # ---- many clients at once -----------------------------------------------------------------
 
 TOPICS = [

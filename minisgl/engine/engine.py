@@ -20,16 +20,28 @@ import torch
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.registry import select_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+
+# >>> ch25
+from minisgl.engine.bias import (
+    LogitBias,
+    TokenMask,
+    apply_logit_bias,
+    apply_token_mask,
+    gather_logit_bias,
+)
+
+# <<< ch25
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner, graph_batch_sizes  # [ch18]
-from minisgl.engine.penalty import apply_penalties, gather_penalties
-from minisgl.engine.sample import prepare_sampling, sample
+from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits  # [ch25]
+from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
+from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
-from minisgl.utils import cdiv, to_device
+from minisgl.utils import cdiv, to_device, to_host
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +52,28 @@ class ForwardOutput:
     next_tokens_cpu: torch.Tensor  # [bs] int32 on the host, valid once `copy_done` is reached
     logprobs_cpu: torch.Tensor | None  # [bs] fp32 on the host, when any request asked for them
     copy_done: torch.cuda.Event | None
+    # >>> ch25 on the host too, when asked for
+    top_ids_cpu: torch.Tensor | None = None  # [bs, k] int32: the likeliest tokens, best first
+    top_logprobs_cpu: torch.Tensor | None = None  # [bs, k] fp32
+    prompt_logprobs: Logprobs | None = None  # of the prompt tokens this forward covered
+    # <<< ch25
+
+
+@dataclass
+class StepLogits:
+    """A forward's logits and what sampling them needs, fixed when the forward is launched:
+    the scheduler moves its requests on right after, before it may have sampled."""
+
+    logits: torch.Tensor  # [bs, vocab] fp32
+    reqs: list[Req]
+    sampling: BatchSamplingArgs
+    penalties: Penalties | None
+    where: torch.Tensor  # [2, bs]: the token-pool row and column of each sampled token
+    # >>> ch25
+    bias: LogitBias | None = None
+    prompt_logprobs: Logprobs | None = None
+    token_mask: TokenMask | None = None  # a grammar's, set once the previous token is known
+    # <<< ch25
 
 
 class Engine:
@@ -126,53 +160,89 @@ class Engine:
         batch.out_loc = self.page_table[rows_d, positions_d]
         self.attn_backend.prepare_metadata(batch)
 
-    @torch.inference_mode()
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         """One forward and one sampled token per request; each token also goes into the pool.
 
         A request still in the middle of its prompt (a chunk that is not its last) gets a
         token too, which is meaningless: it is written to the dummy row and ignored.
         """
+        return self.sample_logits(self.forward_logits(batch))
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: Batch) -> StepLogits:
+        """The model's forward, and the sampling inputs as the batch stands now."""
         set_global_ctx(self.ctx)  # several engines may live in one process (tests do this)
+        reqs, vocab = batch.reqs, self.model_config.vocab_size
+        plan = plan_prompt_logprobs(batch, self.device) if batch.is_prefill else None  # [ch25]
         with self.ctx.forward_batch(batch):
             logits = self._logits(batch)
-        penalties = gather_penalties(batch.reqs, self.token_pool, self.model_config.vocab_size)
-        if penalties is not None:
-            logits = apply_penalties(logits, penalties)
-        args = prepare_sampling(batch.reqs, self.model_config.vocab_size, self.device)
-        next_tokens = sample(logits, args)
-        logprobs = None
-        if any(r.sampling_params.logprobs for r in batch.reqs):
-            chosen = next_tokens.long()[:, None]
-            logprobs = torch.log_softmax(logits, dim=-1).gather(1, chosen)[:, 0]
         # A request whose forward covered every token it has is done with its prompt.
         dummy_row = self.dummy_req.table_idx
         rows, cols = zip(
-            *[(dummy_row, 0) if r.mid_prompt else (r.table_idx, r.device_len) for r in batch.reqs]
+            *[(dummy_row, 0) if r.mid_prompt else (r.table_idx, r.device_len) for r in reqs]
         )
-        where = to_device([rows, cols], self.device, torch.int64)
-        self.token_pool[where[0], where[1]] = next_tokens
-        return self._to_host(next_tokens, logprobs)
+        step = StepLogits(
+            logits,
+            reqs,
+            prepare_sampling(reqs, vocab, self.device),
+            gather_penalties(reqs, self.token_pool, vocab),
+            to_device([rows, cols], self.device, torch.int64),
+        )
+        # >>> ch25
+        if plan is not None:
+            step.logits, step.prompt_logprobs = split_prompt_logits(logits, plan)
+        step.bias = gather_logit_bias(reqs, self.device)
+        # <<< ch25
+        return step
+
+    @torch.inference_mode()
+    def sample_logits(self, step: StepLogits) -> ForwardOutput:
+        """Penalties, then one token per request; the tokens also go into the token pool."""
+        logits = step.logits
+        if step.penalties is not None:
+            logits = apply_penalties(logits, step.penalties)
+        # >>> ch25
+        if step.bias is not None:
+            logits = apply_logit_bias(logits, step.bias)
+        # <<< ch25
+        logprobs = None
+        if any(r.sampling_params.logprobs for r in step.reqs):
+            logprobs = torch.log_softmax(logits, dim=-1)
+        # >>> ch25 the grammar's mask, after the log-probabilities: they show the model's view
+        if step.token_mask is not None:
+            logits = apply_token_mask(logits, step.token_mask)
+        # <<< ch25
+        next_tokens = sample(logits, step.sampling)
+        self.token_pool[step.where[0], step.where[1]] = next_tokens
+        out = ForwardOutput(next_tokens, to_host(next_tokens), None, None)
+        if logprobs is not None:
+            out.logprobs_cpu = to_host(logprobs.gather(1, next_tokens.long()[:, None])[:, 0])
+            # >>> ch25
+            top_k = max(r.sampling_params.top_logprobs for r in step.reqs)
+            if top_k:
+                top = logprobs.topk(top_k, dim=-1)
+                out.top_ids_cpu = to_host(top.indices.to(torch.int32))
+                out.top_logprobs_cpu = to_host(top.values)
+            # <<< ch25
+        # >>> ch25
+        if step.prompt_logprobs is not None:
+            out.prompt_logprobs = step.prompt_logprobs.to_host()
+        # <<< ch25
+        if self.device.type == "cuda":
+            out.copy_done = torch.cuda.Event()
+            out.copy_done.record()
+        return out
 
     def _logits(self, batch: Batch) -> torch.Tensor:
         # >>> ch18
         if self.graph_runner.can_use_cuda_graph(batch):
             return self.graph_runner.replay(batch)
         # <<< ch18
+        # >>> ch25 rows for every prompt position of some requests, not one per request
+        if batch.logit_rows is not None:
+            return self.model.forward()
+        # <<< ch25
         return self.model.forward()[: batch.size]
-
-    def _to_host(self, next_tokens: torch.Tensor, logprobs: torch.Tensor | None) -> ForwardOutput:
-        if self.device.type != "cuda":
-            return ForwardOutput(next_tokens, next_tokens, logprobs, None)
-        host = torch.empty(next_tokens.shape, dtype=torch.int32, pin_memory=True)
-        host.copy_(next_tokens, non_blocking=True)
-        if logprobs is not None:
-            logprobs = torch.empty(logprobs.shape, pin_memory=True).copy_(
-                logprobs, non_blocking=True
-            )
-        event = torch.cuda.Event()
-        event.record()
-        return ForwardOutput(next_tokens, host, logprobs, event)
 
     def _default_dtype(self) -> torch.dtype:
         # On a GPU, the checkpoint's own dtype. On a CPU, fp32: CPUs without bf16 matrix

@@ -34,7 +34,9 @@ class LMHead(nn.Module):
         # >>> ch04 a batch knows where each request's last token is
         batch = get_global_ctx().batch
         if batch.is_prefill:
-            hidden = hidden[batch.attn_metadata.get_last_indices()]
+            rows = batch.attn_metadata.get_last_indices()
+            rows = rows if batch.logit_rows is None else batch.logit_rows  # [ch25]
+            hidden = hidden[rows]
         # <<< ch04
         return self.project(hidden)
 

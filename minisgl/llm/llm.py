@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
-from minisgl.message.backend import UserMsg
+from minisgl.message.backend import TokenMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.tokenizer import Tokenizer
@@ -35,7 +35,12 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """Complete every prompt; returns [{"text", "token_ids", "finish_reason", ...}] in order."""
+        """Complete every prompt; returns [{"text", "token_ids", "finish_reason", ...}] in order.
+
+        With `logprobs` (and `prompt_logprobs`) asked for, a result also has "logprobs": per
+        token, {"logprob", "top": {token id: logprob}} (and "prompt_logprobs": the same for
+        every prompt token, None for the first).
+        """
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
@@ -60,6 +65,7 @@ class LLM:
                 result = results[out.uid]
                 result["token_ids"].append(out.token)
                 result["cached_tokens"] = out.cached_tokens
+                _add_logprobs(result, out)  # [ch25]
                 if out.finished:
                     result["finish_reason"] = out.finish_reason
                     remaining -= 1
@@ -79,3 +85,17 @@ class LLM:
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+
+# >>> ch25
+def _add_logprobs(result: dict[str, Any], out: TokenMsg) -> None:
+    if out.logprob is not None:
+        top = dict(zip(out.top_ids or [], out.top_logprobs or []))
+        result.setdefault("logprobs", []).append({"logprob": out.logprob, "top": top})
+    if (prompt := out.prompt_logprobs) is not None:
+        tops = [dict(zip(i, v)) for i, v in zip(prompt.top_ids, prompt.top_logprobs)]
+        rest = [{"logprob": v, "top": t} for v, t in zip(prompt.logprobs, tops)]
+        result["prompt_logprobs"] = [None, *rest]
+
+
+# <<< ch25

@@ -48,4 +48,6 @@ def encode(msg: Any) -> bytes:
 
 
 def decode(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, object_hook=_from_plain)
+    # Maps may have integer keys (a logit_bias is token id -> bias); only the type whitelist
+    # above decides what objects get built.
+    return msgpack.unpackb(data, raw=False, object_hook=_from_plain, strict_map_key=False)

@@ -19,6 +19,7 @@ class TokenizeMsg:
     input_ids: list[int] | None = None
     stop: list[str] = field(default_factory=list)  # cut the text here, and end the request
     skip_special_tokens: bool = True
+    echo: bool = False  # send the prompt's text back with the first delta  # [ch25]
 
 
 @dataclass
@@ -50,6 +51,26 @@ class DeltaMsg:
     finished: bool
     finish_reason: str | None
     cached_tokens: int
+    # >>> ch25 logprobs as the API shows them
+    token_bytes: list[int] | None = None  # the token's own bytes (UTF-8 may span tokens)
+    top_logprobs: list[TokenLogprob] | None = None
+    prompt_text: str | None = None  # echo, on the first delta: the prompt as text
+    prompt_logprobs: list[TokenLogprob] | None = None  # and its tokens (the first: logprob None)
+    # <<< ch25
+
+
+# >>> ch25
+@dataclass
+class TokenLogprob:
+    """One token, how likely it was, and (for a chosen token) the likeliest alternatives."""
+
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top: list[TokenLogprob] = field(default_factory=list)
+
+
+# <<< ch25
 
 
 @dataclass

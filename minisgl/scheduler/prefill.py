@@ -86,7 +86,16 @@ class PrefillManager:
 
     def _admit(self, pending: PendingReq, budget: int, reserve_pages: int) -> Req | None:
         """Start `pending` now, or return None if the KV cache cannot take it yet."""
-        match = self.cache.match(pending.input_ids)
+        ids = pending.input_ids
+        # >>> ch25 prompt log-probabilities need the logits of every prompt position, so
+        # nothing comes from the cache (once they are sent, a recompute may use it)
+        wants_prompt_logprobs = pending.sampling_params.prompt_logprobs and (
+            pending.cached_tokens is None
+        )
+        if wants_prompt_logprobs:
+            ids = ids[:1]  # matches nothing: the cache always leaves the last token to compute
+        # <<< ch25
+        match = self.cache.match(ids)
         n = len(pending.input_ids) - match.length
         # >>> ch10 cut the prompt to the budget; the rest comes in the next rounds
         n = min(n, budget)
@@ -103,6 +112,7 @@ class PrefillManager:
             pending.input_ids, row, match.length, output_len, pending.uid, pending.sampling_params
         )
         req.prompt_len = pending.prompt_len
+        req.wants_prompt_logprobs = wants_prompt_logprobs  # [ch25]
         if pending.cached_tokens is None:  # first admission (not a preempted request's return)
             req.cached_tokens = match.length
             self.cached_tokens_total += match.length

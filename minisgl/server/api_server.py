@@ -28,7 +28,13 @@ from starlette.exceptions import HTTPException
 from minisgl.core import SamplingParams
 from minisgl.message.backend import AbortMsg, SchedulerStats
 from minisgl.message.codec import encode
-from minisgl.message.frontend import AcceptedMsg, DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.message.frontend import (
+    AcceptedMsg,
+    DeltaMsg,
+    RejectedMsg,
+    TokenizeMsg,
+    TokenLogprob,  # [ch25]
+)
 from minisgl.message.transport import AsyncReader, AsyncWriter, address
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -80,6 +86,14 @@ class Choice:
     token_texts: list[str] = field(default_factory=list)  # for logprobs
     finish_reason: str | None = None
     started: float | None = None
+    # >>> ch25
+    details: list[TokenLogprob] = field(default_factory=list)  # per logprob: bytes, alternatives
+    offsets: list[int] = field(default_factory=list)  # per logprob: where its text starts
+    text_end: int = 0  # the length of the text so far, echo included
+    echo: str | None = None  # the prompt, sent back before the completion
+    prompt: list[TokenLogprob] = field(default_factory=list)  # and its tokens' logprobs
+    hidden: bool = False  # max_tokens 0 with echo: the one token generated is not shown
+    # <<< ch25
 
 
 class Frontend:
@@ -148,6 +162,9 @@ class Frontend:
 
     def record(self, choice: Choice, delta: DeltaMsg) -> None:
         now = time.perf_counter()
+        # >>> ch25
+        self.record_echo(choice, delta)
+        # <<< ch25
         if delta.token is not None:
             self.metrics.generation_tokens += 1
             choice.tokens += 1
@@ -155,6 +172,14 @@ class Frontend:
             if delta.logprob is not None:
                 choice.logprobs.append(delta.logprob)
                 choice.token_texts.append(delta.token_text or "")
+                # >>> ch25
+                token = delta.token_text or ""
+                top = delta.top_logprobs or []
+                raw = delta.token_bytes if delta.token_bytes is not None else list(token.encode())
+                choice.details.append(TokenLogprob(token, delta.logprob, raw, top))
+                choice.offsets.append(choice.text_end)
+                choice.text_end += len(token)
+                # <<< ch25
             if choice.tokens == 1:
                 self.metrics.ttft.observe(now - choice.started)
                 choice.started = now
@@ -162,6 +187,19 @@ class Frontend:
             choice.finish_reason = delta.finish_reason or "stop"
             if choice.tokens > 1:
                 self.metrics.tpot.observe((now - choice.started) / (choice.tokens - 1))
+
+    # >>> ch25
+    def record_echo(self, choice: Choice, delta: DeltaMsg) -> None:
+        """The prompt, on a choice's first delta; and hide what max_tokens 0 must not show."""
+        if delta.prompt_text is not None:
+            choice.echo, choice.text_end = delta.prompt_text, len(delta.prompt_text)
+        if delta.prompt_logprobs is not None:
+            choice.prompt = delta.prompt_logprobs
+        if choice.hidden:
+            delta.text, delta.token, delta.logprob = "", None, None
+            delta.finish_reason = "length"
+
+    # <<< ch25
 
 
 def create_app(
@@ -261,8 +299,9 @@ def create_app(
                 input_ids=None if isinstance(prompt, str) else list(prompt),
                 stop=body.stop_strings(),
                 skip_special_tokens=body.skip_special_tokens,
+                echo=body.echo,  # [ch25]
             )
-            for params in sampling(body, body.max_tokens, bool(body.logprobs))
+            for params in sampling(body, body.max_new_tokens(), body.logprobs is not None)
         ]
         return await respond(request, body, msgs, chat=False)
 
@@ -284,6 +323,8 @@ def create_app(
         queue, prompt_tokens = await frontend.open(msgs)
         started = time.perf_counter()
         choices = {m.uid: Choice(m.uid, i, started=started) for i, m in enumerate(msgs)}
+        for c in choices.values():  # [ch25]
+            c.hidden = body.max_tokens == 0  # [ch25]
         shape = _Shape(chat, model_name, body.logprobs)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -326,6 +367,10 @@ def create_app(
                 choice = choices[delta.uid]
                 frontend.record(choice, delta)
                 choice.text.append(delta.text)
+                # >>> ch25 echo: the prompt first, in a chunk of its own
+                if delta.prompt_text is not None:
+                    yield shape.event([shape.echo_choice(choice)])
+                # <<< ch25
                 if delta.text or delta.finished or delta.logprob is not None:
                     lp = [delta.logprob] if delta.logprob is not None else []
                     yield shape.event([shape.delta_choice(choice, delta.text, lp)])
@@ -344,7 +389,9 @@ class _Shape:
     """How responses look: completions or chat, whole or streamed."""
 
     def __init__(self, chat: bool, model: str, logprobs: Any) -> None:
-        self.chat, self.model, self.logprobs = chat, model, bool(logprobs)
+        # Chat asks with `true`; completions with a number, 0 meaning the chosen token's only.
+        self.chat, self.model = chat, model
+        self.logprobs = logprobs is not None and logprobs is not False
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
@@ -358,21 +405,51 @@ class _Shape:
             "total_tokens": prompt_tokens + completion,
         }
 
-    def _logprobs(self, values: list[float], tokens: list[str]) -> Any:
+    def _logprobs(self, c: Choice, start: int) -> Any:
+        """The logprobs of the choice's tokens from `start` on, in the endpoint's shape."""
         if not self.logprobs:
             return None
+        values, tokens = c.logprobs[start:], c.token_texts[start:]
         if self.chat:
             content = [
                 {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
                 for t, v in zip(tokens, values)
             ]
+            # >>> ch25 each token's own bytes, and the likeliest tokens in its place
+            for entry, d in zip(content, c.details[start:]):
+                entry["bytes"] = d.bytes
+                entry["top_logprobs"] = [
+                    {"token": t.token, "logprob": t.logprob, "bytes": t.bytes} for t in d.top
+                ]
+            # <<< ch25
             return {"content": content}
-        return {
+        out: dict[str, Any] = {
             "token_logprobs": values,
             "tokens": tokens,
             "top_logprobs": None,
             "text_offset": None,
         }
+        # >>> ch25
+        out["top_logprobs"] = [_top_dict(d) for d in c.details[start:]]
+        out["text_offset"] = c.offsets[start:]
+        # <<< ch25
+        return out
+
+    # >>> ch25
+    def _echo_logprobs(self, c: Choice) -> dict[str, Any]:
+        offsets = itertools.accumulate((len(p.token) for p in c.prompt), initial=0)
+        return {
+            "token_logprobs": [p.logprob for p in c.prompt],
+            "tokens": [p.token for p in c.prompt],
+            "top_logprobs": [None if p.logprob is None else _top_dict(p) for p in c.prompt],
+            "text_offset": list(offsets)[: len(c.prompt)],
+        }
+
+    def echo_choice(self, c: Choice) -> dict[str, Any]:
+        logprobs = self._echo_logprobs(c) if self.logprobs else None
+        return {"index": c.index, "text": c.echo, "finish_reason": None, "logprobs": logprobs}
+
+    # <<< ch25
 
     def full(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
         out = []
@@ -381,12 +458,19 @@ class _Shape:
             body: dict[str, Any] = {
                 "index": c.index,
                 "finish_reason": c.finish_reason,
-                "logprobs": self._logprobs(c.logprobs, c.token_texts),
+                "logprobs": self._logprobs(c, 0),
             }
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
             else:
                 body["text"] = text
+            # >>> ch25 echo: the prompt first
+            if c.echo is not None:
+                body["text"] = c.echo + text
+                if self.logprobs:
+                    echoed = self._echo_logprobs(c)
+                    body["logprobs"] = {k: v + body["logprobs"][k] for k, v in echoed.items()}
+            # <<< ch25
             out.append(body)
         return {
             "id": self.id,
@@ -401,12 +485,11 @@ class _Shape:
         return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
 
     def delta_choice(self, c: Choice, text: str, logprobs: list[float]) -> dict[str, Any]:
-        texts = c.token_texts[-len(logprobs) :] if logprobs else []
         if self.chat:
             body = self.chunk_choice(c.index, {"content": text}, c.finish_reason)
         else:
             body = {"index": c.index, "text": text, "finish_reason": c.finish_reason}
-        body["logprobs"] = self._logprobs(logprobs, texts)
+        body["logprobs"] = self._logprobs(c, len(c.logprobs) - len(logprobs))
         return body
 
     def event(self, choices: list[dict], usage: dict[str, int] | None = None) -> str:
@@ -421,3 +504,14 @@ class _Shape:
         if usage is not None:
             chunk["usage"] = usage
         return f"data: {json.dumps(chunk)}\n\n"
+
+
+# >>> ch25
+def _top_dict(t: TokenLogprob) -> dict[str, float | None]:
+    """Completions' shape of the alternatives: text -> logprob, the chosen token's included."""
+    top: dict[str, float | None] = {alt.token: alt.logprob for alt in t.top}
+    top.setdefault(t.token, t.logprob)
+    return top
+
+
+# <<< ch25

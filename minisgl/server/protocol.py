@@ -8,6 +8,7 @@ and text is valid Unicode, so that nothing reaches the workers that they could c
 
 from __future__ import annotations
 
+import json  # [ch25]
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -44,6 +45,36 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# >>> ch25
+class JsonSchema(BaseModel):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` is a BaseModel method's name
+    strict: bool | None = None  # we always hold the output to the schema
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema: {"name", "schema"}')
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must satisfy, as text (ASCII: it travels well)."""
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema" and self.json_schema is not None:
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
+# <<< ch25
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
@@ -63,6 +94,7 @@ class _Common(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     skip_special_tokens: bool = True
     logit_bias: dict[TokenId, Bias] | None = None
+    response_format: ResponseFormat | None = None  # [ch25]
 
     @field_validator("top_k")
     @classmethod
@@ -95,14 +127,51 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logprobs=logprobs,
+            **self._api_params(),  # [ch25]
         )
+
+    # >>> ch25
+    def _api_params(self) -> dict[str, Any]:
+        """The rest of the API, as SamplingParams spells it."""
+        fmt = self.response_format
+        return {
+            "logit_bias": dict(self.logit_bias or {}),
+            "json_schema": fmt.schema_text() if fmt is not None else None,
+            **self._logprob_params(),
+        }
+
+    def _logprob_params(self) -> dict[str, Any]:
+        raise NotImplementedError  # each endpoint spells them its own way
+
+    # <<< ch25
 
 
 class CompletionRequest(_Common):
     prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
-    max_tokens: int | None = Field(16, ge=1, lt=INT64_END)
+    echo: bool = False  # the prompt comes back before the completion
+    max_tokens: int | None = Field(16, ge=0, lt=INT64_END)  # 0 with echo: score the prompt
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: Literal[False] = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_with_echo(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be >= 1 (0 only with echo, to score the prompt)")
+        return v
+
+    def max_new_tokens(self) -> int | None:
+        # A prefill always samples a token: with max_tokens 0 one is made, and not shown.
+        return 1 if self.max_tokens == 0 else self.max_tokens
+
+    # >>> ch25
+    def _logprob_params(self) -> dict[str, Any]:
+        # logprobs N: the chosen token's and the N likeliest; with echo, the prompt's too.
+        return {
+            "top_logprobs": self.logprobs or 0,
+            "prompt_logprobs": self.echo and self.logprobs is not None,
+        }
+
+    # <<< ch25
 
     @field_validator("prompt")
     @classmethod
@@ -168,6 +237,9 @@ class ChatCompletionRequest(_Common):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def _logprob_params(self) -> dict[str, Any]:  # [ch25]
+        return {"top_logprobs": self.top_logprobs or 0}  # [ch25]
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

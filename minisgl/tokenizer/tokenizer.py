@@ -15,6 +15,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders  # [ch25]
 
 
 class Tokenizer:
@@ -31,6 +32,7 @@ class Tokenizer:
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.eos_token_ids = self._eos_ids(path)
         self.vocab_size = self._tok.get_vocab_size()
+        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)  # [ch25]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -38,6 +40,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    # >>> ch25
+    def token_bytes(self, token_id: int) -> bytes:
+        """A token's own bytes. With byte-level BPE a token may hold part of a UTF-8
+        character, which decoding the token alone turns into U+FFFD."""
+        piece = self._tok.id_to_token(token_id) if self._byte_level else None
+        if piece is not None and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    # <<< ch25
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
@@ -60,6 +72,19 @@ class Tokenizer:
         return ids
 
 
+# >>> ch25
+def _byte_level_alphabet() -> dict[str, int]:
+    # Byte-level BPE spells every byte as a printable character: the printable Latin-1
+    # bytes stand for themselves, the other 68 are moved, in order, to U+0100 and up.
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(0x100 + i): b for i, b in enumerate(moved)}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+# <<< ch25
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
