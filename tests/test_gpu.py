@@ -69,7 +69,13 @@ def test_logits_equal_hf_on_cuda(model_dir: Path) -> None:
 
 def test_torch_backend_turns_graphs_off_on_cuda(model_dir: Path, caplog) -> None:
     with caplog.at_level(logging.INFO):
-        llm = LLM(str(model_dir), dtype=torch.float32, device="cuda", max_running_req=8)
+        llm = LLM(
+            str(model_dir),
+            dtype=torch.float32,
+            device="cuda",
+            max_running_req=8,
+            attention_backend="torch",
+        )
     assert llm.engine.graph_runner.graph_map == {}
     assert "CUDA graphs off" in caplog.text
     llm.shutdown()
