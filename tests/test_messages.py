@@ -28,13 +28,21 @@ from minisgl.core import SamplingParams
 from minisgl.message import backend, frontend
 from minisgl.message.backend import (
     AbortMsg,
+    PromptLogprobs,  # [ch25]
     SchedulerOutput,
     SchedulerStats,
     TokenMsg,
     UserMsg,
 )
 from minisgl.message.codec import decode, encode
-from minisgl.message.frontend import AcceptedMsg, DeltaMsg, ReadyMsg, RejectedMsg, TokenizeMsg
+from minisgl.message.frontend import (
+    AcceptedMsg,
+    DeltaMsg,
+    ReadyMsg,
+    RejectedMsg,
+    TokenizeMsg,
+    TokenLogprob,  # [ch25]
+)
 from minisgl.message.transport import AsyncReader, AsyncWriter, Reader, Writer, address
 from minisgl.scheduler import io
 from minisgl.scheduler.config import SchedulerConfig
@@ -82,6 +90,37 @@ MESSAGES = [
     DeltaMsg(1, "", None, None, None, True, "stop", 12),
     ReadyMsg("scheduler", {"max_seq_len": 256, "vocab_size": 49152, "device": "cpu"}),
     ReadyMsg("tokenizer"),
+    # >>> ch25 logit_bias's integer keys, a schema, and the logprobs' nested messages
+    UserMsg(10, [1, 2], SamplingParams(logit_bias={7: -100.0, 49151: 2.5}, json_schema="{}")),
+    TokenMsg(
+        10,
+        8,
+        False,
+        None,
+        0,
+        logprob=-0.5,
+        top_ids=[8, 3],
+        top_logprobs=[-0.5, -1.25],
+        prompt_logprobs=PromptLogprobs([1, 2], [-3.0], [[4, 2]], [[-0.5, -3.0]]),
+    ),
+    PromptLogprobs([5], [], [], []),
+    DeltaMsg(
+        10,
+        "é",
+        8,
+        "é",
+        -0.5,
+        False,
+        None,
+        0,
+        token_bytes=[195, 169],
+        top_logprobs=[TokenLogprob("é", -0.5, [195, 169]), TokenLogprob("\ufffd", -1.5, [195])],
+        prompt_text="Hi",
+        prompt_logprobs=[TokenLogprob("Hi", None, [72, 105])],
+    ),
+    TokenLogprob("a", -0.25, [97], [TokenLogprob("b", -1.0, [98])]),
+    TokenizeMsg(11, SamplingParams(), prompt="Hi", echo=True),
+    # <<< ch25
 ]
 
 
@@ -121,7 +160,8 @@ def test_nested_sampling_params_and_tokens():
 
 def plain(obj: Any) -> bool:
     if isinstance(obj, dict):
-        return all(isinstance(k, str) and plain(v) for k, v in obj.items())
+        # Field names are strings; a logit_bias maps token ids (ints) to floats.
+        return all(isinstance(k, str | int) and plain(v) for k, v in obj.items())
     if isinstance(obj, list):
         return all(map(plain, obj))
     return obj is None or isinstance(obj, bool | int | float | str | bytes)
@@ -132,7 +172,7 @@ def test_wire_bytes_are_plain_msgpack(msg):
     data = encode(msg)
     assert isinstance(data, bytes)
     assert not data.startswith(b"\x80"), "a pickle protocol header"
-    raw = msgpack.unpackb(data, raw=False)
+    raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
     assert plain(raw), raw
     assert raw["_t"] == type(msg).__name__
 
