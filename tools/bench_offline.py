@@ -38,6 +38,7 @@ def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -
         dtype=getattr(torch, args.dtype),
         device=args.device,
         max_running_req=args.max_running_req,
+        attention_backend=args.attn,
     )
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in reqs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -111,6 +112,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="measure minisgl only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attn", default="auto", help="attention backend (--attn of the server)")
     args = p.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
