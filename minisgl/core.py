@@ -119,6 +119,7 @@ class Req:
         # Host copy of the prompt + tokens generated so far, in a buffer that doubles when
         # full, so that appending a token does not copy the whole sequence every step.
         self._ids = input_ids.to(torch.int32)
+        self._ids_np = self._ids.numpy()  # the same memory: one element set costs ~0.1 us
         self._len = len(input_ids)
         self.prompt_len = len(input_ids)  # where the output starts (kept across preemption)
         self.table_idx = table_idx
@@ -145,6 +146,11 @@ class Req:
         return self._ids[: self._len]
 
     @property
+    def seq_len(self) -> int:
+        """Tokens in the sequence so far: the prompt and every token appended since."""
+        return self._len
+
+    @property
     def extend_len(self) -> int:
         return self.device_len - self.cached_len
 
@@ -165,7 +171,8 @@ class Req:
     def append_host(self, token: int) -> None:
         if self._len == len(self._ids):
             self._ids = torch.cat([self._ids, torch.empty_like(self._ids)])
-        self._ids[self._len] = token
+            self._ids_np = self._ids.numpy()
+        self._ids_np[self._len] = token  # a torch element write costs ~50x more per token
         self._len += 1
 
     def __repr__(self) -> str:

@@ -52,11 +52,17 @@ class BaseAttnBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer_id: int,
+        batch: Batch,
     ) -> torch.Tensor:
         """Store the new tokens' k/v into the KV pool, then attend q over each request's K/V.
 
-        q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim].
+        q: [tokens, q_heads, head_dim]; k, v: [tokens, kv_heads, head_dim], or None when the
+        layer's fused kernel has written them into the pool already.
         Returns [tokens, q_heads, head_dim].
         """
 

@@ -186,7 +186,8 @@ class FlashInferBackend(BaseAttnBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        if k is not None:  # None: the layer has stored them already
+            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         md = batch.attn_metadata
         assert isinstance(md, FlashInferMetadata) and md.wrapper is not None
         return md.wrapper.run(q, self.kv_cache.paged(layer_id))

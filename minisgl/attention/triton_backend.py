@@ -91,7 +91,8 @@ class TritonAttnBackend(BaseAttnBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
     ) -> torch.Tensor:
-        self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        if k is not None:  # None: the layer has stored them already
+            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
         md = batch.attn_metadata
         assert isinstance(md, TritonMetadata)
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)

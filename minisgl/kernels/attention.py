@@ -198,10 +198,15 @@ def _extend_kernel(
     )
 
 
+# Decode launch shape: enough (request, KV head, split) programs to fill a large GPU, at
+# most MAX_SPLITS; keys are read BLOCK_N at a time. tools/bench_attention.py measures them.
+DECODE_PROGRAMS, DECODE_MAX_SPLITS, DECODE_BLOCK_N = 256, 16, 32
+
+
 def decode_num_splits(batch_size: int, num_kv_heads: int) -> int:
-    """Enough (request, KV head, split) programs to fill a large GPU, as a power of two."""
+    """Splits per (request, KV head): a power of two that shrinks as the batch grows."""
     splits = 1
-    while splits < 16 and batch_size * num_kv_heads * splits < 256:
+    while splits < DECODE_MAX_SPLITS and batch_size * num_kv_heads * splits < DECODE_PROGRAMS:
         splits *= 2
     return splits
 
@@ -232,7 +237,7 @@ def decode_attention(
         page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=32,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
     )  # fmt: skip
     out = torch.empty_like(q)

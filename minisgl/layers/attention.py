@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
+from minisgl.layers.fused import rope_store_kernel  # [ch20]
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
 
@@ -35,6 +36,13 @@ class AttentionLayer(nn.Module):
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # >>> ch20 on a GPU, one kernel from qkv to rotated q, with k and v already stored
+        if kernel := rope_store_kernel(qkv):
+            q = self._fused(kernel, qkv, ctx)
+            return ctx.attn_backend.forward(q, None, None, self.layer_id, ctx.batch).reshape(
+                -1, q_size
+            )
+        # <<< ch20
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -44,3 +52,24 @@ class AttentionLayer(nn.Module):
         q, k = self.rotary(ctx.batch.positions, q, k)
         out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
         return out.reshape(-1, q_size)
+
+    # >>> ch20
+    def _fused(self, kernel, qkv: torch.Tensor, ctx) -> torch.Tensor:
+        kv = ctx.attn_backend.kv_cache
+        norms = hasattr(self, "q_norm")
+        return kernel(
+            qkv,
+            ctx.batch.positions,
+            self.rotary.cos_sin,
+            self.q_norm.weight if norms else None,
+            self.k_norm.weight if norms else None,
+            self.q_norm.eps if norms else 0.0,
+            kv.k_cache(self.layer_id),
+            kv.v_cache(self.layer_id),
+            ctx.batch.out_loc,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
+    # <<< ch20

@@ -10,6 +10,7 @@ only path on CPU) when it returns None.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable  # [ch20]
 from types import ModuleType
 
 import torch
@@ -33,3 +34,25 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
     if not ENV.FUSED_KERNELS.value:
         return None
     return _flashinfer()
+
+
+# >>> ch20 our own Triton kernel: q/k head norms, rotary and the KV store in one
+@functools.cache
+def _rope_store() -> Callable | None:
+    try:
+        from minisgl.kernels.rope_store import qk_rope_store
+    except ImportError:  # no triton
+        return None
+    return qk_rope_store
+
+
+def rope_store_kernel(x: torch.Tensor) -> Callable | None:
+    """`kernels.rope_store.qk_rope_store` when it can take `x` (bf16/fp16 on CUDA), else None."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    if not ENV.FUSED_KERNELS.value:
+        return None
+    return _rope_store()
+
+
+# <<< ch20

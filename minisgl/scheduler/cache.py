@@ -78,7 +78,7 @@ class CacheManager:
         freed and the row is pointed at the cached copy. A finished request also gives
         back its lock, its partial last page and any pages beyond.
         """
-        valid = min(len(req.input_ids), req.cached_len) // self.page_size * self.page_size
+        valid = min(req.seq_len, req.cached_len) // self.page_size * self.page_size
         row = self.host_table[req.table_idx]
         slots = row[:valid].clone()
         already = self.cache.insert(req.input_ids[:valid], slots)

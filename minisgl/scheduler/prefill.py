@@ -61,7 +61,7 @@ class PrefillManager:
         # >>> ch10 a chunked prompt goes on first
         if self.chunked is not None:
             req = self.chunked
-            n = min(len(req.input_ids) - req.cached_len, budget)
+            n = min(req.seq_len - req.cached_len, budget)
             if self.cache.pages_needed(req, req.cached_len + n) > self.cache.available_pages:
                 return None  # the decode side must free pages first
             req.device_len = req.cached_len + n
@@ -69,10 +69,13 @@ class PrefillManager:
             reqs.append(req)
             budget -= n
         # <<< ch10
+        heads: dict[tuple, list[Req]] = {}
+        for req in reqs:
+            heads.setdefault(_head(req.input_ids), []).append(req)
         for pending in list(self.pending):
             if budget == 0 or self.table.available == 0:
                 break
-            if self._shares_uncached_prefix(pending, reqs):
+            if self._shares_uncached_prefix(pending, heads):
                 continue
             req = self._admit(pending, budget, reserve_pages)
             if req is None:
@@ -80,6 +83,7 @@ class PrefillManager:
             self.pending.remove(pending)
             reqs.append(req)
             admitted.append(req)
+            heads.setdefault(_head(req.input_ids), []).append(req)
             budget = max(0, budget - req.extend_len)
         self.chunked = next((r for r in reqs if r.mid_prompt), None)  # [ch10]
         return (Batch(reqs, "prefill"), admitted) if reqs else None
@@ -123,9 +127,15 @@ class PrefillManager:
         self.cache.allocate([req])
         return req
 
-    def _shares_uncached_prefix(self, pending: PendingReq, batch: list[Req]) -> bool:
+    def _shares_uncached_prefix(self, pending: PendingReq, heads: dict[tuple, list[Req]]) -> bool:
+        # Only requests whose first _SHARED_PREFIX_TO_WAIT tokens are the same can share that
+        # many: looking them up by those tokens keeps admission linear in the batch size.
         ids = pending.input_ids
-        for req in batch:
+        for req in heads.get(_head(ids), ()):
             if common_prefix_len(ids, req.input_ids) - req.cached_len >= _SHARED_PREFIX_TO_WAIT:
                 return True
         return False
+
+
+def _head(ids: torch.Tensor) -> tuple[int, ...]:
+    return tuple(ids[:_SHARED_PREFIX_TO_WAIT].tolist())

@@ -276,7 +276,7 @@ class Scheduler:
             return "stop"
         if self.grammars.accept(req.uid, token):  # the document is complete  # [ch25]
             return "stop"  # [ch25]
-        if len(req.input_ids) >= req.max_device_len:
+        if req.seq_len >= req.max_device_len:
             return "length"
         return None
 

@@ -1,0 +1,103 @@
+"""Everything between the qkv projection and attention, in one kernel.
+
+After the qkv matmul a decoder layer normalises each query and key head (Qwen3), rotates
+them by position (RoPE), and writes the keys and values of the new tokens into the KV pool.
+Done one step at a time that is seven small kernels per layer (two head norms, a rotary,
+two copies to make q/k contiguous, two scattered stores), each a few microseconds at
+batch 1 for a few kilobytes of data. Here one program takes one (token, head): it loads
+the head once, normalises and rotates it in registers, and writes it where it goes: a
+query head to the output, a key head (and the value head beside it) to its KV slot.
+
+The rotation is the "neox" one: channel i pairs with channel i + head_dim / 2, and the
+angle table holds, for each position, the cosines of the pairs and then their sines.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _qk_rope_store_kernel(
+    QKV, Q_OUT, K_CACHE, V_CACHE, positions, out_loc, cos_sin, q_weight, k_weight, eps,
+    stride_t, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
+    stride_cs,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # 0..Q_HEADS-1: a query head; then the key heads
+    half: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, BLOCK_HALF)
+    mask = offs < half
+    row = QKV + t * stride_t + h * HEAD_DIM  # q and k heads lie side by side in qkv
+    x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(row + half + offs, mask=mask, other=0.0).to(tl.float32)
+    dtype = QKV.dtype.element_ty
+    if QK_NORM:
+        if h < Q_HEADS:  # noqa: SIM108 (a runtime branch of the kernel)
+            w = q_weight
+        else:
+            w = k_weight
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+        # rounded to the model dtype between the steps, as the unfused layers do
+        w1 = tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(w + half + offs, mask=mask, other=0.0).to(tl.float32)
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    pos = tl.load(positions + t).to(tl.int64)
+    cos = tl.load(cos_sin + pos * stride_cs + offs, mask=mask, other=0.0)
+    sin = tl.load(cos_sin + pos * stride_cs + half + offs, mask=mask, other=0.0)
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    if h < Q_HEADS:
+        out = Q_OUT + t * stride_qo_t + h * stride_qo_h
+        tl.store(out + offs, y1, mask=mask)
+        tl.store(out + half + offs, y2, mask=mask)
+    else:
+        kv_head = h - Q_HEADS
+        slot = tl.load(out_loc + t).to(tl.int64)
+        k_out = K_CACHE + slot * stride_kc_s + kv_head * stride_kc_h
+        tl.store(k_out + offs, y1, mask=mask)
+        tl.store(k_out + half + offs, y2, mask=mask)
+        v_row = row + KV_HEADS * HEAD_DIM  # the value head sits KV_HEADS heads further on
+        v_out = V_CACHE + slot * stride_vc_s + kv_head * stride_vc_h
+        tl.store(v_out + offs, tl.load(v_row + offs, mask=mask), mask=mask)
+        tl.store(v_out + half + offs, tl.load(v_row + half + offs, mask=mask), mask=mask)
+
+
+def qk_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """qkv [tokens, (q_heads + 2 kv_heads) * head_dim] -> rotated q [tokens, q_heads, head_dim];
+    the rotated keys and the values land in k/v_cache [slots, kv_heads, head_dim] at out_loc.
+    With q_weight and k_weight, each q and k head is RMS-normalised first (Qwen3)."""
+    assert qkv.stride(-1) == 1 and head_dim % 2 == 0
+    tokens = qkv.size(0)
+    q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    qk_norm = q_weight is not None
+    _qk_rope_store_kernel[(tokens, q_heads + kv_heads)](
+        qkv, q, k_cache, v_cache, positions, out_loc, cos_sin,
+        q_weight if qk_norm else cos_sin, k_weight if qk_norm else cos_sin, eps,
+        qkv.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        cos_sin.stride(0),
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
+    )  # fmt: skip
+    return q
