@@ -200,7 +200,7 @@ def _extend_kernel(
 
 # Decode launch shape: enough (request, KV head, split) programs to fill a large GPU, at
 # most MAX_SPLITS; keys are read BLOCK_N at a time. tools/bench_attention.py measures them.
-DECODE_PROGRAMS, DECODE_MAX_SPLITS, DECODE_BLOCK_N = 256, 16, 32
+DECODE_PROGRAMS, DECODE_MAX_SPLITS, DECODE_BLOCK_N = 512, 32, 64
 
 
 def decode_num_splits(batch_size: int, num_kv_heads: int) -> int:
