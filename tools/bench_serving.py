@@ -296,6 +296,17 @@ def print_sweep(label: str, points: list[dict[str, Any]], slo_ms: float) -> None
     print(f"sustainable rate (TTFT p99 < {slo_ms:.0f} ms): {sustainable(points, slo_ms)} req/s")
 
 
+def gather_sweeps(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Sweeps, and single runs grouped by label into sweeps (runs interleaved by hand)."""
+    by_label: dict[str, dict[str, Any]] = {}
+    for r in reports:
+        sweep = by_label.setdefault(r["label"], {**r, "points": []})
+        sweep["points"] += r.get("points", [r])
+    for sweep in by_label.values():
+        sweep["points"].sort(key=lambda p: float(p["request_rate"]))
+    return list(by_label.values())
+
+
 def plot(sweeps: list[dict[str, Any]], path: str, slo_ms: float) -> None:
     import matplotlib
 
@@ -357,7 +368,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--label", help="the name in tables and plots (default: --base-url)")
     p.add_argument("--output-json")
     p.add_argument("--plot", help="PNG of a --sweep or of --compare")
-    p.add_argument("--compare", nargs="+", help="sweep JSON files drawn together (no requests)")
+    p.add_argument("--compare", nargs="+", help="result JSON files drawn together, no requests")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args()
     args.base_url = args.base_url.rstrip("/")
@@ -372,7 +383,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.compare:
-        sweeps = [json.loads(Path(f).read_text()) for f in args.compare]
+        sweeps = gather_sweeps([json.loads(Path(f).read_text()) for f in args.compare])
         for s in sweeps:
             print_sweep(s["label"], s["points"], args.slo_ttft_ms)
         plot(sweeps, args.plot or "serving.png", args.slo_ttft_ms)
