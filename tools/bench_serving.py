@@ -188,7 +188,13 @@ async def run(args: argparse.Namespace, reqs: list[Request], rate: float) -> dic
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(args.request_timeout)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        warm = [Request(reqs[i % len(reqs)].prompt, 4) for i in range(args.warmup)]
+        # Prompts of their own: a prefix cache must not get a head start on the measured ones.
+        hello = f"Hello number {{}}, {args.seed}"
+        chat = isinstance(reqs[0].prompt, list)
+        warm = [
+            Request([{"role": "user", "content": hello.format(i)}] if chat else hello.format(i), 4)
+            for i in range(args.warmup)
+        ]
         for outcome in await asyncio.gather(*(timed(client, args, r) for r in warm)):
             if not outcome.ok:  # together: the server meets a batch before the clock starts
                 sys.exit(f"warm-up request to {args.base_url} failed: {outcome.error}")
