@@ -65,6 +65,7 @@ def minisgl_llm(args: argparse.Namespace, graph_bs: int) -> object:
         max_seq_len_override=tokens,
         cuda_graph_max_bs=graph_bs,
         attention_backend=args.attn,
+        tp_size=args.tp_size,
     )
 
 
@@ -174,6 +175,7 @@ def main() -> None:
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn", default="auto", help="attention backend (--attn of the server)")
+    p.add_argument("--tp-size", type=int, default=1, help="ranks (GPUs) the model is cut over")
     p.add_argument("--skip-eager", action="store_true", help="minisgl with CUDA graphs only")
     args = p.parse_args()
     args.batch_sizes = args.batch_sizes or [1, 8, 32, 128, 256]

@@ -39,6 +39,7 @@ def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -
         device=args.device,
         max_running_req=args.max_running_req,
         attention_backend=args.attn,
+        tp_size=args.tp_size,
     )
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in reqs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -113,6 +114,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true", help="measure minisgl only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attn", default="auto", help="attention backend (--attn of the server)")
+    p.add_argument("--tp-size", type=int, default=1, help="ranks (GPUs) the model is cut over")
     args = p.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 

@@ -25,6 +25,12 @@ class EngineConfig:
     cuda_graph_bs: list[int] | None = None  # an explicit list of batch sizes wins
     debug_cuda_graph: bool = False  # run eagerly through the graph runner's buffers
     # <<< ch18
+    # >>> ch21 tensor parallelism
+    tp_size: int = 1
+    tp_rank: int = 0  # this process's rank; whoever starts the ranks sets it
+    nnodes: int = 1  # machines the ranks are spread over, tp_size // nnodes ranks on each
+    dist_init_addr: str | None = None  # host:port where the ranks meet: rank 0's machine
+    # <<< ch21
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -43,6 +49,12 @@ class EngineConfig:
         if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:
             raise ValueError(f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}")
         # <<< ch18
+        # >>> ch21
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not a rank of tp_size {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} cannot be spread over {self.nnodes} nodes")
+        # <<< ch21
         if self.attention_backend not in backend_names():
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "

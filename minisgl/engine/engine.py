@@ -20,6 +20,7 @@ import torch
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.registry import select_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.distributed import agree_min, destroy_distributed, init_distributed  # [ch21]
 
 # >>> ch25
 from minisgl.engine.bias import (
@@ -80,11 +81,16 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         start = time.perf_counter()
         self.config = config
+        self.model_config = ModelConfig.from_path(config.model_path)
+        self.model_config.check_tp(config.tp_size)  # before anything is loaded  # [ch21]
         self.device = _resolve_device(config.device)
+        # >>> ch21 join the other ranks first: the layers read the rank when they are built
+        self.device = _rank_device(self.device, config)
+        init_distributed(config.tp_rank, config.tp_size, config.dist_init_addr, self.device)
+        # <<< ch21
         self.free_memory_at_start = (
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         )
-        self.model_config = ModelConfig.from_path(config.model_path)
         self.dtype = config.dtype or self._default_dtype()
         self.max_seq_len = self._max_seq_len()
         self.page_size = config.page_size
@@ -95,12 +101,15 @@ class Engine:
         self.model.requires_grad_(False)
 
         mc = self.model_config
+        self.num_kv_heads = mc.num_kv_heads
+        self.num_kv_heads = max(mc.num_kv_heads // config.tp_size, 1)  # this rank's  # [ch21]
         self.num_pages = config.num_page_override or self._pages_from_budget()
+        self.num_pages = agree_min(self.num_pages)  # all ranks must schedule alike  # [ch21]
         self.kv_cache = MHAKVCache(
             mc.num_layers,
             self.num_pages,
             self.page_size,
-            mc.num_kv_heads,
+            self.num_kv_heads,
             mc.head_dim,
             self.dtype,
             self.device,
@@ -264,7 +273,7 @@ class Engine:
     def _pages_from_budget(self) -> int:
         mc = self.model_config
         per_page = MHAKVCache.bytes_per_page(
-            mc.num_layers, self.page_size, mc.num_kv_heads, mc.head_dim, self.dtype
+            mc.num_layers, self.page_size, self.num_kv_heads, mc.head_dim, self.dtype
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -281,7 +290,9 @@ class Engine:
     def _create_backend(self) -> BaseAttnBackend:
         mc = self.model_config
         cls = select_backend(self.config.attention_backend, self.device, self.dtype, self.page_size)
-        return cls.create(self.kv_cache, self.page_table, mc.head_dim**-0.5, mc.num_heads)
+        num_heads = mc.num_heads
+        num_heads //= self.config.tp_size  # this rank's query heads  # [ch21]
+        return cls.create(self.kv_cache, self.page_table, mc.head_dim**-0.5, num_heads)
 
     # >>> ch18
     def _graph_batch_sizes(self) -> list[int]:
@@ -305,6 +316,7 @@ class Engine:
     # <<< ch18
     def shutdown(self) -> None:
         self.graph_runner.destroy_cuda_graphs()  # [ch18]
+        destroy_distributed()  # after the graphs: they hold the NCCL communicator's calls  # [ch21]
         set_global_ctx(None)
 
 
@@ -317,6 +329,20 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
+# >>> ch21
+def _rank_device(device: torch.device, config: EngineConfig) -> torch.device:
+    """This rank's GPU (one per rank, numbered on each machine), or the CPU, whose threads the
+    ranks on a machine share rather than each taking them all."""
+    per_node = config.tp_size // config.nnodes
+    if device.type == "cuda" and config.tp_size > 1:
+        device = torch.device("cuda", config.tp_rank % per_node)
+        torch.cuda.set_device(device)
+    elif device.type == "cpu" and per_node > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // per_node))
+    return device
+
+
+# <<< ch21
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     saved = torch.get_default_dtype()

@@ -7,14 +7,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core import get_global_ctx  # [ch04]
+from minisgl.distributed import Split, all_gather, all_reduce, get_tp_info  # [ch21]
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        # >>> ch21 each rank holds a contiguous slice of the vocabulary's rows
+        split = Split.even(0, vocab_size)
+        self.vocab_start = get_tp_info().rank * split.local_size
+        vocab_size = split.local_size
+        # <<< ch21
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.weight.tp_split = split  # [ch21]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # >>> ch21 a rank looks up the ids in its slice and gives zeros for the others; the
+        # all-reduce then hands every rank each id's row from the rank that holds it.
+        if get_tp_info().size > 1:
+            ids = input_ids - self.vocab_start
+            outside = (ids < 0) | (ids >= self.weight.size(0))
+            x = F.embedding(ids.masked_fill(outside, 0), self.weight)
+            return all_reduce(x.masked_fill_(outside[:, None], 0.0))
+        # <<< ch21
         return F.embedding(input_ids, self.weight)
 
 
@@ -27,8 +42,13 @@ class LMHead(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
+        # >>> ch21 each rank projects onto its slice of the vocabulary
+        split = Split.even(0, vocab_size)
+        vocab_size = split.local_size
+        # <<< ch21
         # A model with tied embeddings replaces this with its VocabEmbedding's weight.
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.weight.tp_split = split  # [ch21]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # >>> ch04 a batch knows where each request's last token is
@@ -41,4 +61,6 @@ class LMHead(nn.Module):
         return self.project(hidden)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight).float()
+        logits = F.linear(hidden, self.weight)
+        logits = all_gather(logits)  # the ranks' slices of the vocabulary, side by side  # [ch21]
+        return logits.float()

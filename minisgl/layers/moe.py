@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.distributed import Split, all_reduce  # [ch21]
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.linear import Linear
 from minisgl.models.config import MoEConfig
@@ -43,16 +44,24 @@ class MoEBlock(nn.Module):
         weights, experts = torch.topk(probs, self.top_k, dim=-1)  # [tokens, top_k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return self.experts(x, experts, weights.to(x.dtype))
+        out = self.experts(x, experts, weights.to(x.dtype))
+        out = all_reduce(out)  # each rank's slice of every expert gave a partial sum  # [ch21]
+        return out
 
 
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        # >>> ch21 each rank holds every expert, cut along its intermediate size (as an MLP is)
+        gate_up_split = Split.even(1, intermediate_size, intermediate_size)
+        down_split = Split.even(2, intermediate_size)
+        intermediate_size = down_split.local_size
+        # <<< ch21
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_proj.tp_split, self.down_proj.tp_split = gate_up_split, down_split  # [ch21]
 
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 import itertools
+import weakref  # [ch21]
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
-from minisgl.message.backend import TokenMsg, UserMsg
+from minisgl.message.backend import (
+    StopMsg,  # [ch21]
+    TokenMsg,
+    UserMsg,
+)
+from minisgl.models.config import ModelConfig  # [ch21]
 from minisgl.scheduler.config import SchedulerConfig
+
+# >>> ch21
+from minisgl.scheduler.io import (
+    share_messages,
+    start_followers,
+    stop_followers,
+    with_rendezvous,
+)
+
+# <<< ch21
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.tokenizer import Tokenizer
 
@@ -25,6 +41,13 @@ class LLM:
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         config = SchedulerConfig(model_path, dtype=dtype, device=device, **kwargs)
+        # >>> ch21 this process is rank 0; ranks 1..tp_size-1 get processes of their own
+        ModelConfig.from_path(model_path).check_tp(config.tp_size)  # before any starts
+        config = with_rendezvous(config)
+        self._followers = start_followers(config)
+        # Ended when this LLM goes unless shut down before, even if it never finished starting.
+        weakref.finalize(self, stop_followers, self._followers, 0.0)
+        # <<< ch21
         self.scheduler = Scheduler(config, self.tokenizer.eos_token_ids)
         self.engine = self.scheduler.engine
         self._uids = itertools.count()
@@ -52,6 +75,7 @@ class LLM:
                 self.scheduler.validate(msg)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
+        msgs = share_messages(msgs)  # the other ranks add them too, and step  # [ch21]
         for msg in msgs:
             self.scheduler.add_request(msg)
 
@@ -70,6 +94,10 @@ class LLM:
                     result["finish_reason"] = out.finish_reason
                     remaining -= 1
                     bar.update()
+            # >>> ch21 every step of every rank follows one share: nothing new, step again
+            if remaining:
+                share_messages([])
+            # <<< ch21
         bar.close()
         outputs = [results[m.uid] for m in msgs]
         for out in outputs:
@@ -84,7 +112,9 @@ class LLM:
         return list(prompt)
 
     def shutdown(self) -> None:
+        share_messages([StopMsg()])  # the other ranks leave their loops  # [ch21]
         self.scheduler.shutdown()
+        stop_followers(self._followers)  # [ch21]
 
 
 # >>> ch25

@@ -53,6 +53,13 @@ class PromptLogprobs:
 # <<< ch25
 
 
+# >>> ch21
+@dataclass
+class StopMsg:
+    """From rank 0 to the other ranks: leave the loop (the offline LLM is shutting down)."""
+
+
+# <<< ch21
 @dataclass
 class SchedulerStats:
     running: int

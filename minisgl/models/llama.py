@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
+from minisgl.distributed import Split, get_tp_info  # [ch21]
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import LMHead, VocabEmbedding
@@ -24,8 +25,16 @@ from minisgl.models.config import ModelConfig
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = Linear(
+            hidden_size,
+            2 * intermediate_size,
+            split=Split.even(0, intermediate_size, intermediate_size),  # [ch21]
+        )
+        self.down_proj = Linear(
+            intermediate_size,
+            hidden_size,
+            split=Split.even(1, intermediate_size),  # [ch21]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -36,11 +45,25 @@ class LlamaAttention(nn.Module):
         super().__init__()
         c = config
         qkv_size = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, qkv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(
+            c.hidden_size,
+            qkv_size,
+            bias=qkv_bias,
+            split=Split.qkv(c.num_heads, c.num_kv_heads, c.head_dim),  # [ch21]
+        )
         rope = get_rope(c.head_dim, c.rope_theta, c.max_position_embeddings, _device())
         eps = c.rms_norm_eps if qk_norm else None
-        self.attn = AttentionLayer(layer_id, c.num_heads, c.num_kv_heads, c.head_dim, rope, eps)
-        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size)
+        heads, kv_heads = c.num_heads, c.num_kv_heads
+        # >>> ch21 this rank's heads: its share of the query heads, and of the KV heads or one
+        size = get_tp_info().size
+        heads, kv_heads = heads // size, max(kv_heads // size, 1)
+        # <<< ch21
+        self.attn = AttentionLayer(layer_id, heads, kv_heads, c.head_dim, rope, eps)
+        self.o_proj = Linear(
+            c.num_heads * c.head_dim,
+            c.hidden_size,
+            split=Split.even(1, c.num_heads * c.head_dim),  # [ch21]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attn(self.qkv_proj(x)))

@@ -11,10 +11,13 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from minisgl.distributed import get_tp_info  # [ch21]
 
 # Pieces that are concatenated (along dim 0) into one of our tensors, in this order.
 _MERGES = {
@@ -28,72 +31,49 @@ _MERGE_RE = re.compile(r"^(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weigh
 # Checkpoints that store one MLP per expert: ...experts.3.gate_proj.weight
 _EXPERT_RE = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
-
-def read_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(model_path).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
-    tensors: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                tensors[name] = f.get_tensor(name)
-    return tensors
+# Where a checkpoint tensor goes: (our parameter, expert or None, part or None). The part
+# is its place among the pieces merged into the parameter; None when it is all of them.
+Place = tuple[str, int | None, int | None]
 
 
-def convert_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Map checkpoint tensors to our names, merging the pieces we store together."""
-    out: dict[str, torch.Tensor] = {}
-    pieces: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = defaultdict(lambda: defaultdict(dict))
-    for name, tensor in tensors.items():
-        if m := _EXPERT_RE.match(name):
-            experts[m[1]][int(m[2])][m[3]] = tensor
-        elif m := _MERGE_RE.match(name):
-            target, index = _MERGES[m[2]]
-            pieces[f"{m[1]}.{target}.{m[3]}"][index] = tensor
-        else:
-            out[
-                name.replace(".self_attn.q_norm.", ".self_attn.attn.q_norm.").replace(
-                    ".self_attn.k_norm.", ".self_attn.attn.k_norm."
-                )
-            ] = tensor
-    for name, parts in pieces.items():
-        want = 3 if ".qkv_proj." in name else 2
-        if len(parts) != want:
-            raise ValueError(f"checkpoint has only some of the pieces of {name}: {sorted(parts)}")
-        out[name] = _cat(name, [parts[i] for i in range(want)])
-    for prefix, by_expert in experts.items():
-        ids = range(len(by_expert))
-        if sorted(by_expert) != list(ids):
-            raise ValueError(f"{prefix}: expert ids {sorted(by_expert)} are not 0..n-1")
-        for e in ids:
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                if proj not in by_expert[e]:
-                    raise ValueError(f"checkpoint is missing {prefix}.{e}.{proj}.weight")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in ids]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in ids])
-    return out
+def place(name: str) -> Place:
+    if m := _EXPERT_RE.match(name):
+        if m[3] == "down_proj":
+            return f"{m[1]}.down_proj", int(m[2]), None
+        return f"{m[1]}.gate_up_proj", int(m[2]), _MERGES[m[3]][1]
+    if m := _MERGE_RE.match(name):
+        target, part = _MERGES[m[2]]
+        return f"{m[1]}.{target}.{m[3]}", None, part
+    for norm in (".q_norm.", ".k_norm."):
+        name = name.replace(f".self_attn{norm}", f".self_attn.attn{norm}")
+    return name, None, None
 
 
 def load_weights(model: nn.Module, model_path: str | Path) -> None:
-    tensors = convert_names(read_checkpoint(model_path))
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     tied_head = "lm_head.weight" not in params
-    if tied_head:
-        tensors.pop("lm_head.weight", None)  # some tied checkpoints still carry a copy
-    missing = sorted(set(params) - set(tensors))
-    unexpected = sorted(set(tensors) - set(params))
+    found: dict[str, dict[tuple[int | None, int | None], torch.Tensor]] = defaultdict(dict)
+    unexpected = []
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                target, expert, part = place(name)
+                if target in params:
+                    found[target][expert, part] = _read(f, name, params[target], expert, part)
+                elif not (tied_head and name == "lm_head.weight"):
+                    unexpected.append(name)  # a tied checkpoint may still carry a copy: fine
+    missing = sorted(set(params) - set(found))
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {model_path} does not match the model: "
-            f"missing {_show(missing)}; unexpected {_show(unexpected)}"
+            f"missing {_show(missing)}; unexpected {_show(sorted(unexpected))}"
         )
     with torch.no_grad():
         for name, param in params.items():
-            tensor = tensors[name]
+            tensor = _assemble(name, found[name])
             if tensor.shape != param.shape:
                 raise ValueError(
                     f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects "
@@ -102,11 +82,56 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
             param.copy_(tensor)
 
 
+def _read(
+    f: Any, name: str, param: nn.Parameter, expert: int | None, part: int | None
+) -> torch.Tensor:
+    # >>> ch21 a rank reads only its slices of a split tensor
+    split = getattr(param, "tp_split", None)
+    if split is not None and get_tp_info().size > 1:
+        tensor = f.get_slice(name)
+        dim = split.dim - (expert is not None)  # one expert's tensor lacks the experts' dim
+        held = range(len(split.parts)) if part is None else (part,)
+        shape, whole = tensor.get_shape(), sum(split.parts[i] for i in held)
+        if len(shape) <= dim or shape[dim] != whole:
+            raise ValueError(
+                f"{name}: checkpoint shape {tuple(shape)}, the model expects {whole} on dim {dim}"
+            )
+        before = (slice(None),) * dim
+        return torch.cat([tensor[(*before, slice(a, b))] for a, b in split.ranges(held)], dim)
+    # <<< ch21
+    return f.get_tensor(name)
+
+
+def _assemble(name: str, pieces: dict[tuple[int | None, int | None], torch.Tensor]) -> torch.Tensor:
+    """One parameter from the checkpoint tensors placed in it: merged, stacked, or as is."""
+    if (None, None) in pieces:  # stored the way we store it
+        return pieces[None, None]
+    num_parts = 3 if ".qkv_proj." in name else 2 if "gate_up_proj" in name else 1
+    parts = range(num_parts) if num_parts > 1 else (None,)
+    experts = sorted({e for e, _ in pieces if e is not None})
+    if not experts:
+        if set(pieces) != {(None, p) for p in parts}:
+            have = sorted(p for _, p in pieces)
+            raise ValueError(f"checkpoint has only some of the pieces of {name}: {have}")
+        return _cat(name, [pieces[None, p] for p in parts])
+    prefix = name.rsplit(".", 1)[0]
+    if experts != list(range(len(experts))):
+        raise ValueError(f"{prefix}: expert ids {experts} are not 0..n-1")
+    stacked = []
+    for e in experts:
+        for p in parts:
+            if (e, p) not in pieces:
+                proj = "down_proj" if p is None else ("gate_proj", "up_proj")[p]
+                raise ValueError(f"checkpoint is missing {prefix}.{e}.{proj}.weight")
+        stacked.append(_cat(f"{prefix}.{e}", [pieces[e, p] for p in parts]))
+    return torch.stack(stacked)
+
+
 def _cat(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
     if len({tuple(p.shape[1:]) for p in parts}) > 1:
         shapes = [tuple(p.shape) for p in parts]
         raise ValueError(f"{name}: the checkpoint pieces merged into it disagree in shape {shapes}")
-    return torch.cat(parts, dim=0)
+    return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
 
 
 def _show(names: list[str], limit: int = 8) -> str:

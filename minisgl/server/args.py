@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from minisgl.attention.registry import backend_names
+from minisgl.models.config import ModelConfig  # [ch21]
 from minisgl.scheduler.config import SchedulerConfig
 
 _DTYPES = {
@@ -27,6 +28,7 @@ class ServerArgs:
     shell: bool
     served_model_name: str
     log_level: str
+    node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
@@ -36,8 +38,12 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
     p.add_argument("--dtype", choices=list(_DTYPES), default="auto")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    # Kept in the public command line, though with one scheduler only 1 is accepted (below).
-    p.add_argument("--tp-size", type=int, default=1)
+    # >>> ch21 tensor parallelism; ranks on several machines: each runs this with its --node-rank
+    p.add_argument("--tp-size", type=int, default=1, help="ranks (GPUs) the model is cut over")
+    p.add_argument("--nnodes", type=int, default=1, help="machines the --tp-size ranks span")
+    p.add_argument("--node-rank", type=int, default=0, help="this machine's place, from 0")
+    p.add_argument("--dist-init-addr", default=None, help="host:port of node 0 for the ranks")
+    # <<< ch21
     p.add_argument("--max-running-requests", type=int, default=256)
     p.add_argument("--max-seq-len-override", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: fill memory)")
@@ -55,10 +61,18 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
-    if a.tp_size != 1:
-        p.error("--tp-size: only 1 is supported")
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model: {a.model} is not a model folder (no config.json); try `make models`")
+    # >>> ch21
+    if not 0 <= a.node_rank < a.nnodes:
+        p.error(f"--node-rank {a.node_rank} is not in [0, --nnodes {a.nnodes})")
+    if a.nnodes > 1 and a.dist_init_addr is None:
+        p.error("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, on every node)")
+    try:
+        ModelConfig.from_path(a.model).check_tp(a.tp_size)
+    except ValueError as e:
+        p.error(f"--tp-size: {e}")
+    # <<< ch21
     try:
         config = SchedulerConfig(
             model_path=a.model,
@@ -73,8 +87,21 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             debug_cuda_graph=a.debug_cuda_graph,  # [ch18]
             max_prefill_length=a.max_prefill_length,
             cache_type=a.cache,
+            # >>> ch21
+            tp_size=a.tp_size,
+            nnodes=a.nnodes,
+            dist_init_addr=a.dist_init_addr,
+            # <<< ch21
         )
     except ValueError as e:
         p.error(str(e))
     name = a.served_model_name or Path(a.model).resolve().name
-    return ServerArgs(config, a.host, a.port, a.shell, name, a.log_level.upper())
+    return ServerArgs(
+        config,
+        a.host,
+        a.port,
+        a.shell,
+        name,
+        a.log_level.upper(),
+        a.node_rank,  # [ch21]
+    )

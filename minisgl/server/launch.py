@@ -59,6 +59,10 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
 
 
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:
+    # >>> ch21 a machine that hosts ranks only serves nothing: it waits for them
+    if args.node_rank > 0:
+        return await tree.wait()
+    # <<< ch21
     # >>> ch17 the shell instead of the HTTP server
     if args.shell:
         return await run_shell(Frontend(tree.ipc_dir), tree)

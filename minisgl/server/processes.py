@@ -10,12 +10,14 @@ and `top` tell them apart from each other and from the launcher.
 
 from __future__ import annotations
 
+import asyncio  # [ch21]
 import logging
 import multiprocessing as mp
 import shutil
 import signal
 import tempfile
 import time
+from dataclasses import replace  # [ch21]
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -23,7 +25,11 @@ import zmq
 
 from minisgl.message.frontend import ReadyMsg
 from minisgl.message.transport import Reader, address
-from minisgl.scheduler.io import run_scheduler_worker
+from minisgl.scheduler.io import (
+    run_follower,  # [ch21]
+    run_scheduler_worker,
+    with_rendezvous,  # [ch21]
+)
 from minisgl.server.args import ServerArgs
 from minisgl.tokenizer.worker import Limits, run_tokenizer_worker
 
@@ -53,9 +59,17 @@ class ProcessTree:
 
     def start(self) -> None:
         level = self.args.log_level
-        info = self._start(
-            "scheduler", run_scheduler_worker, self.args.scheduler, self.ipc_dir, level
-        )
+        config = self.args.scheduler
+        # >>> ch21 this machine's other ranks first: rank 0 cannot start until all have joined
+        config = with_rendezvous(config)
+        per_node = config.tp_size // config.nnodes
+        first = self.args.node_rank * per_node
+        for rank in range(max(first, 1), first + per_node):
+            self._spawn(f"scheduler-{rank}", run_follower, replace(config, tp_rank=rank), level)
+        if self.args.node_rank > 0:
+            return  # a machine without rank 0 hosts ranks only: no tokenizer, no API
+        # <<< ch21
+        info = self._start("scheduler", run_scheduler_worker, config, self.ipc_dir, level)
         self.scheduler_info = info
         limits = Limits(info["max_seq_len"], info["max_kv_tokens"], info["vocab_size"])
         self._start(
@@ -67,12 +81,16 @@ class ProcessTree:
             level,
         )
 
-    def _start(self, name: str, target: Any, *args: Any) -> dict[str, Any]:
+    def _spawn(self, name: str, target: Any, *args: Any) -> BaseProcess:
         proc = mp.get_context("spawn").Process(
             target=_worker, args=(name, target, *args), name=f"minisgl-{name}", daemon=True
         )
         proc.start()
         self.procs.append(proc)
+        return proc
+
+    def _start(self, name: str, target: Any, *args: Any) -> dict[str, Any]:
+        self._spawn(name, target, *args)
         while True:  # loading a model can take a while; a crash must not
             msg = self._ready.recv(timeout_ms=200)
             if isinstance(msg, ReadyMsg) and msg.worker == name:
@@ -80,8 +98,18 @@ class ProcessTree:
                     raise RuntimeError(f"the {name} worker failed to start: {msg.info['error']}")
                 logger.info("%s worker ready", name)
                 return msg.info
-            if not proc.is_alive():
-                raise RuntimeError(f"the {name} worker exited with code {proc.exitcode} at start")
+            if (proc := self.dead()) is not None:  # it, or a rank it waits for
+                raise RuntimeError(f"the {proc.name} worker exited with code {proc.exitcode}")
+
+    # >>> ch21
+    async def wait(self) -> int:
+        """On a machine that hosts ranks only: wait until one ends; 0 if it ended cleanly."""
+        while (proc := self.dead()) is None:
+            await asyncio.sleep(0.5)
+        logger.info("%s exited with code %s", proc.name, proc.exitcode)
+        return 0 if proc.exitcode == 0 else 1
+
+    # <<< ch21
 
     def dead(self) -> BaseProcess | None:
         return next((p for p in self.procs if not p.is_alive()), None)

@@ -1,0 +1,296 @@
+"""Chapter 21: tensor parallelism on CPU over gloo, checked against one rank and Hugging Face.
+
+Ranks are real processes. The logits test runs every tiny model (and one with a single KV
+head, which ranks must share) in one pair of ranks, to pay for process start-up once.
+Every process runs torch on one thread: the test machine has two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import SMOL, TINY, all_logits, hf_greedy, make_engine, need
+
+from minisgl.core import Req, SamplingParams
+from minisgl.distributed import Split, get_tp_info
+from minisgl.distributed.info import set_tp_info
+from minisgl.kvcache.allocator import page_slots
+from minisgl.llm import LLM
+from minisgl.models.config import ModelConfig
+from minisgl.tokenizer.tokenizer import Tokenizer
+
+PROMPT = list(range(5, 17))
+DECODED = [7, 8, 9]  # teacher-forced tokens after the prompt
+START_TIMEOUT = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_kv_head_model(folder: Path) -> Path:
+    """tiny-qwen3 with one KV head: with two ranks, both must hold it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = need(TINY["qwen3"])
+    raw = json.loads((src / "config.json").read_text())
+    raw["num_key_value_heads"] = 1
+    config = AutoConfig.for_model(
+        "qwen3", **{k: v for k, v in raw.items() if k not in ("model_type", "transformers_version")}
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, folder / name)
+    return folder
+
+
+def teacher_forced(path: Path, tp_size: int, rank: int, port: int) -> torch.Tensor:
+    """Logits of a prefill and three decode steps, every position, on one rank."""
+    engine = make_engine(path, tp_size=tp_size, tp_rank=rank, dist_init_addr=f"127.0.0.1:{port}")
+    try:
+        n = len(PROMPT) + len(DECODED)
+        req = Req(torch.tensor(PROMPT, dtype=torch.int32), 0, 0, n, 0, SamplingParams())
+        engine.page_table[0, :n] = page_slots(list(range(1, n + 1)), 1)
+        engine.token_pool[0, : len(PROMPT)] = req.input_ids
+        out = [all_logits(engine, [req], "prefill")]
+        for token in DECODED:
+            engine.token_pool[0, req.device_len] = token
+            req.append_host(token)
+            out.append(all_logits(engine, [req], "decode"))
+        return torch.cat(out)
+    finally:
+        engine.shutdown()
+
+
+def rank_main(paths: list[Path], rank: int, ports: list[int], results: mp.Queue) -> None:
+    torch.set_num_threads(1)
+    for path, port in zip(paths, ports):
+        logits = teacher_forced(path, 2, rank, port)
+        if rank == 0:
+            results.put((str(path), logits.numpy()))
+
+
+def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
+    paths = [need(p) for p in TINY.values()] + [one_kv_head_model(tmp_path / "one-kv")]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    ports = [free_port() for _ in paths]
+    ranks = [ctx.Process(target=rank_main, args=(paths, r, ports, results)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        got = dict(results.get(timeout=300) for _ in paths)
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+    for path in paths:
+        want = teacher_forced(path, 1, 0, 0)
+        diff = (torch.from_numpy(got[str(path)]) - want).abs().max().item()
+        assert diff < 1e-4, f"{path.name}: tp=2 logits differ from tp=1 by {diff}"
+    assert get_tp_info().size == 1  # the reference ran alone
+
+
+def test_indivisible_shapes_are_named_before_loading() -> None:
+    config = ModelConfig.from_path(need(SMOL))  # 9 query heads, 3 KV heads
+    config.check_tp(3)
+    with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by 2"):
+        config.check_tp(2)
+    with pytest.raises(ValueError, match="num_key_value_heads 3 neither divides 4"):
+        config.check_tp(4)
+    with pytest.raises(ValueError, match="num_attention_heads 9"):
+        LLM(str(SMOL), device="cpu", tp_size=2)  # refused before any rank starts
+
+
+def test_kv_heads_are_shared_when_fewer_than_ranks() -> None:
+    # 4 query heads and 2 KV heads of 8 features over 4 ranks: each rank one query head, and
+    # ranks 0-1 share KV head 0, ranks 2-3 KV head 1.
+    try:
+        for rank, (q, k) in enumerate([(0, 0), (8, 0), (16, 8), (24, 8)]):
+            set_tp_info(rank, 4)
+            split = Split.qkv(4, 2, 8)
+            assert split.local_size == 3 * 8
+            assert split.ranges(range(3)) == [(q, q + 8), (32 + k, 40 + k), (48 + k, 56 + k)]
+            assert split.ranges((1,)) == [(k, k + 8)]  # k_proj alone
+    finally:
+        set_tp_info(0, 1)
+
+
+def test_smollm2_tp3_greedy_matches_tp1_and_hf() -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    kw = dict(dtype=torch.float32, device="cpu", max_running_req=4, num_page_override=128)
+    kw["max_seq_len_override"] = 64
+    one = LLM(str(need(SMOL)), **kw)
+    try:
+        want = [o["token_ids"] for o in one.generate(prompts, params, use_tqdm=False)]
+        ids = [one.tokenizer.encode(p) for p in prompts]
+    finally:
+        one.shutdown()
+    three = LLM(str(SMOL), tp_size=3, **kw)
+    try:
+        assert len(three._followers) == 2 and all(p.is_alive() for p in three._followers)
+        got = [o["token_ids"] for o in three.generate(prompts, params, use_tqdm=False)]
+        again = three.generate([ids[0]], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        three.shutdown()
+    assert got == want
+    assert got == [hf_greedy(SMOL, i, 8) for i in ids]
+    assert again[0]["token_ids"] == want[0][:4]  # a second call: the ranks kept in step
+    assert not any(p.is_alive() for p in three._followers), "shutdown() leaves no rank behind"
+
+
+# ---- servers ------------------------------------------------------------------------------
+
+
+def launch(log: Path, model: Path, *extra: str, port: int | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(model), "--device", "cpu"]
+    cmd += ["--dtype", "float32", "--max-seq-len-override", "128", "--num-pages", "256"]
+    cmd += ["--port", str(port or free_port()), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+
+def port_of(proc: subprocess.Popen) -> int:
+    return int(proc.args[proc.args.index("--port") + 1])
+
+
+def wait_ready(proc: subprocess.Popen, log: Path) -> str:
+    base = f"http://127.0.0.1:{port_of(proc)}"
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the server was not healthy in time:\n{log.read_text()[-3000:]}")
+
+
+def tree_of(pid: int) -> list[int]:
+    out, todo = [pid], [pid]
+    while todo:
+        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
+            kids = [int(c) for c in children.read_text().split()]
+            out += kids
+            todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def titles(pids: list[int]) -> list[str]:
+    return [Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in pids]
+
+
+def gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
+def end(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def greedy_offline(model: Path, prompt: str, n: int) -> list[int]:
+    llm = LLM(str(model), dtype=torch.float32, device="cpu", num_page_override=64)
+    try:
+        return llm.generate([prompt], SamplingParams(max_tokens=n), use_tqdm=False)[0]["token_ids"]
+    finally:
+        llm.shutdown()
+
+
+def test_tp2_server_serves_the_openai_client_and_sigterm_stops_every_rank(tmp_path: Path) -> None:
+    model = need(TINY["llama"])
+    log = tmp_path / "server.log"
+    server = launch(log, model, "--tp-size", "2")
+    try:
+        base = wait_ready(server, log)
+        pids = tree_of(server.pid)
+        assert {"minisgl::scheduler", "minisgl::scheduler-1"} <= set(titles(pids)), titles(pids)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        reply = client.completions.create(
+            model=model.name, prompt="Hello there", max_tokens=5, temperature=0, logprobs=1
+        )
+        chunks = client.completions.create(
+            model=model.name, prompt="Hello there", max_tokens=5, temperature=0, stream=True
+        )
+        streamed = "".join(c.choices[0].text for c in chunks)
+        want = greedy_offline(model, "Hello there", 5)
+        assert reply.choices[0].logprobs.tokens is not None
+        assert reply.usage.completion_tokens == 5
+        assert reply.choices[0].text == streamed
+        assert reply.choices[0].text == Tokenizer(str(model)).decode(want)
+        os.kill(server.pid, signal.SIGTERM)
+        server.wait(15)
+        assert gone(pids, 10), f"left after SIGTERM: {[p for p in pids if alive(p)]}"
+    finally:
+        end(server)
+
+
+def test_two_nodes_on_one_host_serve_and_a_dead_rank_stops_the_server(tmp_path: Path) -> None:
+    model = need(TINY["qwen3"])
+    addr = f"127.0.0.1:{free_port()}"
+    nodes = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
+    node1 = launch(log1, model, *nodes, "--node-rank", "1")
+    node0 = launch(log0, model, *nodes, "--node-rank", "0")
+    try:
+        base = wait_ready(node0, log0)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none")
+        reply = client.chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, seed=5
+        )
+        assert reply.usage.completion_tokens == 4 and reply.choices[0].message.content
+        node1_pids = tree_of(node1.pid)
+        assert titles(node1_pids[1:]) == ["minisgl::scheduler-1"], titles(node1_pids)
+        # The rank on the other "machine" dies: node 0 answers 503, then exits non-zero.
+        os.kill(node1_pids[1], signal.SIGKILL)
+        deadline, status = time.monotonic() + 20, 200
+        while status == 200 and time.monotonic() < deadline:
+            try:
+                status = httpx.get(base + "/health", timeout=5).status_code
+            except httpx.TransportError:
+                break
+            time.sleep(0.1)
+        assert status == 503
+        assert node0.wait(20) != 0
+        assert node1.wait(20) != 0  # its only rank died
+        assert gone(tree_of(node0.pid) + node1_pids, 10)
+    finally:
+        end(node0, node1)
