@@ -136,7 +136,7 @@ def test_kv_heads_are_shared_when_fewer_than_ranks() -> None:
 
 def test_smollm2_tp3_greedy_matches_tp1_and_hf() -> None:
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
     kw = dict(dtype=torch.float32, device="cpu", max_running_req=4, num_page_override=128)
     kw["max_seq_len_override"] = 64
     one = LLM(str(need(SMOL)), **kw)
@@ -153,7 +153,7 @@ def test_smollm2_tp3_greedy_matches_tp1_and_hf() -> None:
     finally:
         three.shutdown()
     assert got == want
-    assert got == [hf_greedy(SMOL, i, 8) for i in ids]
+    assert got == [hf_greedy(SMOL, i, 6) for i in ids]
     assert again[0]["token_ids"] == want[0][:4]  # a second call: the ranks kept in step
     assert not any(p.is_alive() for p in three._followers), "shutdown() leaves no rank behind"
 
@@ -278,9 +278,10 @@ def test_two_nodes_on_one_host_serve_and_a_dead_rank_stops_the_server(tmp_path: 
         )
         assert reply.usage.completion_tokens == 4 and reply.choices[0].message.content
         node1_pids = tree_of(node1.pid)
-        assert titles(node1_pids[1:]) == ["minisgl::scheduler-1"], titles(node1_pids)
+        ranks = [p for p, t in zip(node1_pids, titles(node1_pids)) if t.startswith("minisgl::")]
+        assert titles(ranks) == ["minisgl::scheduler-1"], titles(node1_pids)
         # The rank on the other "machine" dies: node 0 answers 503, then exits non-zero.
-        os.kill(node1_pids[1], signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGKILL)
         deadline, status = time.monotonic() + 20, 200
         while status == 200 and time.monotonic() < deadline:
             try:
