@@ -327,6 +327,7 @@ def plot(sweeps: list[dict[str, Any]], path: str, slo_ms: float) -> None:
         right.plot(rates, [p["tpot_ms"]["p50"] for p in s["points"]], "o-", label=s["label"])
     left.axhline(slo_ms / 1000, color="grey", linestyle="--", linewidth=1, label="TTFT SLO")
     left.set(xlabel="request rate (req/s)", ylabel="TTFT p99 (s, log scale)", yscale="log")
+    left.yaxis.set_minor_locator(matplotlib.ticker.LogLocator(subs=(2.0, 5.0)))
     plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
     left.yaxis.set_major_formatter(plain)
     left.yaxis.set_minor_formatter(plain)
