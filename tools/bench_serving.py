@@ -284,8 +284,8 @@ def print_result(r: dict[str, Any]) -> None:
 
 def sustainable(points: list[dict[str, Any]], slo_ms: float) -> float | None:
     """The highest rate that lost nothing and kept TTFT p99 under the SLO."""
-    ok = [p["request_rate"] for p in points if not p["failed"] and p["ttft_ms"]["p99"] < slo_ms]
-    return max(ok, default=None)
+    good = [p for p in points if not p["failed"] and p["ttft_ms"]["p99"] < slo_ms]
+    return max((float(p["request_rate"]) for p in good), default=None)
 
 
 def print_sweep(label: str, points: list[dict[str, Any]], slo_ms: float) -> None:
@@ -322,7 +322,7 @@ def plot(sweeps: list[dict[str, Any]], path: str, slo_ms: float) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for s in sweeps:
-        rates = [p["request_rate"] for p in s["points"]]
+        rates = [float(p["request_rate"]) for p in s["points"]]
         left.plot(rates, [p["ttft_ms"]["p99"] / 1000 for p in s["points"]], "o-", label=s["label"])
         right.plot(rates, [p["tpot_ms"]["p50"] for p in s["points"]], "o-", label=s["label"])
     left.axhline(slo_ms / 1000, color="grey", linestyle="--", linewidth=1, label="TTFT SLO")
