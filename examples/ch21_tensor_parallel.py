@@ -2,9 +2,9 @@
 
 Shows how the weights of one layer are cut (which slice each rank holds, and where a KV
 head is shared), then runs the offline LLM with tp_size=2 next to tp_size=1 on the same
-tiny model and compares their greedy tokens and their logits. Ranks 1.. are processes
-of their own, started with the spawn method, so the script's work sits under the
-`if __name__ == "__main__":` guard.
+tiny model and compares their greedy tokens (the tests compare the logits too). Ranks
+1.. are processes of their own, started with the spawn method, so the script's work sits
+under the `if __name__ == "__main__":` guard.
 """
 
 from pathlib import Path
@@ -32,16 +32,12 @@ def show_splits() -> None:
     set_tp_info(0, 1)
 
 
-def run(tp_size: int) -> tuple[list[list[int]], torch.Tensor]:
+def run(tp_size: int) -> list[list[int]]:
     llm = LLM(str(MODEL), dtype=torch.float32, device="cpu", num_page_override=128, tp_size=tp_size)
     try:
         prompts = ["Tensor parallelism cuts", "Each rank holds"]
         out = llm.generate(prompts, SamplingParams(max_tokens=6), use_tqdm=False)
-        scored = llm.generate(
-            [prompts[0]], SamplingParams(max_tokens=1, logprobs=True, top_logprobs=5), False
-        )
-        top = scored[0]["logprobs"][0]["top"]
-        return [o["token_ids"] for o in out], torch.tensor(list(top.values()))
+        return [o["token_ids"] for o in out]
     finally:
         llm.shutdown()
 
@@ -49,13 +45,10 @@ def run(tp_size: int) -> tuple[list[list[int]], torch.Tensor]:
 def main() -> None:
     torch.set_num_threads(1)
     show_splits()
-    one_tokens, one_top = run(1)
-    two_tokens, two_top = run(2)
+    one_tokens, two_tokens = run(1), run(2)
     print(f"tp 1 greedy tokens: {one_tokens}")
     print(f"tp 2 greedy tokens: {two_tokens}")
     print(f"same tokens: {one_tokens == two_tokens}")
-    error = (one_top - two_top).abs().max().item()
-    print(f"top-5 log-probabilities, max |tp 2 - tp 1| = {error:.1e}")
 
 
 if __name__ == "__main__":

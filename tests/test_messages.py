@@ -91,7 +91,7 @@ MESSAGES = [
     DeltaMsg(1, "", None, None, None, True, "stop", 12),
     ReadyMsg("scheduler", {"max_seq_len": 256, "vocab_size": 49152, "device": "cpu"}),
     ReadyMsg("tokenizer"),
-    StopMsg(),  # [ch21] rank 0 to the other ranks: no fields at all
+    StopMsg(),  # rank 0 to the other ranks: no fields at all  # [ch21]
     # >>> ch25 logit_bias's integer keys, a schema, and the logprobs' nested messages
     UserMsg(10, [1, 2], SamplingParams(logit_bias={7: -100.0, 49151: 2.5}, json_schema="{}")),
     TokenMsg(
