@@ -56,9 +56,12 @@ class Shell:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.log = log
         with log.open("wb") as err:
+            # As from a terminal: Ctrl-C at its default, whatever this test process inherited
+            # (Python raises KeyboardInterrupt only when SIGINT is not ignored at start-up).
             self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env
-            )
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )  # fmt: skip
         self._out = bytearray()
         self._lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, daemon=True)
