@@ -31,6 +31,7 @@ class BaseAttnBackend(ABC):
     devices: tuple[str, ...]  # device types it runs on
     auto_devices: tuple[str, ...] = ()  # where `--attn auto` may pick it
     supports_cuda_graphs: bool = False  # lengths read on the device, graph hooks implemented
+    supports_prefill_graphs: bool = False  # [ch23] and prefill metadata in static buffers too
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -71,6 +72,13 @@ class BaseAttnBackend(ABC):
         """Allocate static metadata buffers big enough for every captured batch size."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
+    # >>> ch23
+    def init_capture_prefill(self, max_seq_len: int, shapes: list[tuple[int, int]]) -> None:
+        """Allocate static prefill metadata for every (request slots, tokens) shape; from then
+        on the two hooks below take prefill batches of those shapes too."""
+        raise NotImplementedError(f"{type(self).__name__} has no static prefill metadata")
+
+    # <<< ch23
     def prepare_for_capture(self, batch: Batch) -> None:
         """Point `batch.attn_metadata` at the static buffers (the batch being captured)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -55,6 +55,7 @@ class TorchAttnBackend(BaseAttnBackend):
         self.scale = scale
         self.capture: TorchCaptureData | None = None  # [ch18]
         self.capture_bs: list[int] = []  # [ch18]
+        self.prefill_capture: TorchCaptureData | None = None  # [ch23]
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -138,6 +139,20 @@ class TorchAttnBackend(BaseAttnBackend):
         self.capture_bs = list(bs_list)
 
     def prepare_for_capture(self, batch: Batch) -> None:
+        # >>> ch23 a prefill shape: its own metadata, copied into the static buffers
+        if batch.is_prefill:
+            self.prepare_metadata(batch)
+            self.prepare_for_replay(batch)
+            cap, slots = self.prefill_capture, batch.padded_size
+            assert cap is not None
+            batch.attn_metadata = TorchAttnMetadata(
+                cu_seqlens_q=cap.cu_seqlens_q[: slots + 1],
+                cache_seqlens=cap.seq_lens[:slots],
+                page_table=cap.page_table[:slots],
+                max_seqlen_q=batch.attn_metadata.max_seqlen_q,  # the capture's: all its tokens
+            )
+            return
+        # <<< ch23
         bs = batch.size
         assert bs in self.capture_bs and self.capture is not None
         cap = self.capture
@@ -149,10 +164,28 @@ class TorchAttnBackend(BaseAttnBackend):
         )
 
     def prepare_for_replay(self, batch: Batch) -> None:
-        metadata, bs = batch.attn_metadata, batch.padded_size
-        assert isinstance(metadata, TorchAttnMetadata) and self.capture is not None
+        metadata, bs, cap = batch.attn_metadata, batch.padded_size, self.capture
+        # >>> ch23 a prefill also has its own query offsets; every slot is rewritten, sentinels too
+        if batch.is_prefill:
+            cap = self.prefill_capture
+            assert cap is not None
+            cap.cu_seqlens_q[: bs + 1].copy_(metadata.cu_seqlens_q)
+        # <<< ch23
+        assert isinstance(metadata, TorchAttnMetadata) and cap is not None
         table_len = metadata.page_table.size(1)
-        self.capture.seq_lens[:bs].copy_(metadata.cache_seqlens)
-        self.capture.page_table[:bs, :table_len].copy_(metadata.page_table)
+        cap.seq_lens[:bs].copy_(metadata.cache_seqlens)
+        cap.page_table[:bs, :table_len].copy_(metadata.page_table)
+
+    # >>> ch23
+    def init_capture_prefill(self, max_seq_len: int, shapes: list[tuple[int, int]]) -> None:
+        # Emulated graphs only: the extend loop reads the lengths on the host.
+        slots, device = max(s for s, _ in shapes), self.page_table.device
+        self.prefill_capture = TorchCaptureData(
+            cu_seqlens_q=torch.zeros(slots + 1, dtype=torch.int32, device=device),
+            seq_lens=torch.ones(slots, dtype=torch.int32, device=device),
+            page_table=self.page_table[-1:].repeat(slots, 1),
+        )
+
+    # <<< ch23
 
     # <<< ch18

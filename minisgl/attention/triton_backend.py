@@ -48,6 +48,7 @@ class TritonAttnBackend(BaseAttnBackend):
     devices = ("cuda", "cpu")
     auto_devices = ("cuda",)  # on a CPU the interpreter is for checking, never the default
     supports_cuda_graphs = True
+    supports_prefill_graphs = True  # [ch23]
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -70,6 +71,7 @@ class TritonAttnBackend(BaseAttnBackend):
         self.kv_cache, self.page_table, self.scale = kv_cache, page_table, scale
         self.device = page_table.device
         self.capture: TritonCaptureData | None = None
+        self.prefill_capture: TritonCaptureData | None = None  # [ch23]
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -122,17 +124,41 @@ class TritonAttnBackend(BaseAttnBackend):
         )
 
     def prepare_for_capture(self, batch: Batch) -> None:
-        bs, cap = batch.padded_size, self.capture
+        bs, cap, max_extend_len = batch.padded_size, self.capture, 1
+        # >>> ch23 a prefill shape: its own metadata, copied into the static buffers; the
+        # kernel's grid covers every token of the shape in every slot (most programs exit)
+        if batch.is_prefill:
+            self.prepare_metadata(batch)
+            self.prepare_for_replay(batch)
+            cap, max_extend_len = self.prefill_capture, sum(r.extend_len for r in batch.padded_reqs)
+        # <<< ch23
         assert cap is not None
         batch.attn_metadata = TritonMetadata(
             qo_indptr=cap.qo_indptr[: bs + 1],
             rows=cap.rows[:bs],
             seq_lens=cap.seq_lens[:bs],
-            max_extend_len=1,
+            max_extend_len=max_extend_len,
         )
 
     def prepare_for_replay(self, batch: Batch) -> None:
         md, bs, cap = batch.attn_metadata, batch.padded_size, self.capture
+        # >>> ch23 a prefill also has its own query offsets; every slot is rewritten, sentinels too
+        if batch.is_prefill:
+            cap = self.prefill_capture
+            assert cap is not None
+            cap.qo_indptr[: bs + 1].copy_(md.qo_indptr)
+        # <<< ch23
         assert isinstance(md, TritonMetadata) and cap is not None
         cap.rows[:bs].copy_(md.rows)
         cap.seq_lens[:bs].copy_(md.seq_lens)
+
+    # >>> ch23
+    def init_capture_prefill(self, max_seq_len: int, shapes: list[tuple[int, int]]) -> None:
+        slots, dummy_row = max(s for s, _ in shapes), self.page_table.size(0) - 1
+        self.prefill_capture = TritonCaptureData(
+            qo_indptr=torch.zeros(slots + 1, dtype=torch.int32, device=self.device),
+            rows=torch.full((slots,), dummy_row, dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(slots, dtype=torch.int32, device=self.device),
+        )
+
+    # <<< ch23

@@ -25,6 +25,11 @@ class EngineConfig:
     cuda_graph_bs: list[int] | None = None  # an explicit list of batch sizes wins
     debug_cuda_graph: bool = False  # run eagerly through the graph runner's buffers
     # <<< ch18
+    # >>> ch23 prefill graphs: "off", "breakable", "full"; None: breakable on CUDA, off on CPU
+    prefill_graph: str | None = None
+    prefill_graph_max_tokens: int | None = None  # largest token bucket; None: the prefill budget
+    prefill_graph_tokens: list[int] | None = None  # an explicit list of token buckets wins
+    # <<< ch23
     # >>> ch21 tensor parallelism
     tp_size: int = 1
     tp_rank: int = 0  # this process's rank; whoever starts the ranks sets it
@@ -49,6 +54,15 @@ class EngineConfig:
         if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:
             raise ValueError(f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}")
         # <<< ch18
+        # >>> ch23
+        if self.prefill_graph not in (None, "off", "breakable", "full"):
+            raise ValueError(
+                f"prefill_graph must be off, breakable or full, got {self.prefill_graph!r}"
+            )
+        for t in self.prefill_graph_tokens or [self.prefill_graph_max_tokens or 1]:
+            if t < 1:
+                raise ValueError(f"prefill graph token counts must be >= 1, got {t}")
+        # <<< ch23
         # >>> ch21
         if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} is not a rank of tp_size {self.tp_size}")

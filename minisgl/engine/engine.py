@@ -33,7 +33,7 @@ from minisgl.engine.bias import (
 
 # <<< ch25
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.graph import GraphRunner, graph_batch_sizes  # [ch18]
+from minisgl.engine.graph import GraphRunner, decode_graph_sizes  # [ch18]
 from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits  # [ch25]
 from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
 from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
@@ -132,15 +132,17 @@ class Engine:
         self.ctx = Context(self.attn_backend)
         set_global_ctx(self.ctx)
         # >>> ch18
+        graph_args = (self.model, self.attn_backend, self.device)
         self.graph_runner = GraphRunner(
             self.model,
             self.attn_backend,
             self.dummy_req,
-            self._graph_batch_sizes(),
+            decode_graph_sizes(config, *graph_args, self.free_memory_at_start),
             self.max_seq_len,
             mc.vocab_size,
             self.device,
             config.debug_cuda_graph,
+            *GraphRunner.prefill_plan(config, *graph_args, self.max_seq_len),  # [ch23]
         )
         # <<< ch18
         logger.info(
@@ -294,26 +296,6 @@ class Engine:
         num_heads //= self.config.tp_size  # this rank's query heads  # [ch21]
         return cls.create(self.kv_cache, self.page_table, mc.head_dim**-0.5, num_heads)
 
-    # >>> ch18
-    def _graph_batch_sizes(self) -> list[int]:
-        config, on_cuda = self.config, self.device.type == "cuda"
-        if on_cuda and not config.debug_cuda_graph:
-            blocker = self.model.cuda_graph_blocker
-            if not self.attn_backend.supports_cuda_graphs:
-                blocker = f"the {self.attn_backend.name} attention backend cannot be captured"
-            if blocker is not None:
-                if config.cuda_graph_max_bs != 0:
-                    logger.info("CUDA graphs off: %s", blocker)
-                return []
-        if config.cuda_graph_bs is not None:
-            return sorted(set(config.cuda_graph_bs))
-        max_bs = config.cuda_graph_max_bs
-        if max_bs is None and on_cuda:
-            max_bs = 256 if self.free_memory_at_start > 80 * 2**30 else 160
-        max_bs = min(max_bs or 0, config.max_running_req)
-        return graph_batch_sizes(max_bs) if max_bs else []
-
-    # <<< ch18
     def shutdown(self) -> None:
         self.graph_runner.destroy_cuda_graphs()  # [ch18]
         destroy_distributed()  # after the graphs: they hold the NCCL communicator's calls  # [ch21]

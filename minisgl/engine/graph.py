@@ -20,35 +20,44 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, get_global_ctx
+from minisgl.engine.breakable import BoundaryBuffers, BreakableGraph  # [ch23]
+from minisgl.engine.config import EngineConfig
 from minisgl.models.base import BaseLLMModel
 
 logger = logging.getLogger(__name__)
+DEFAULT_PREFILL_TOKENS = 8192  # [ch23] the scheduler's default prefill budget
 
 
 @dataclass
 class GraphCaptureBuffer:
-    input_ids: torch.Tensor
-    out_loc: torch.Tensor
-    positions: torch.Tensor
-    logits: torch.Tensor
+    """Inputs of every captured graph, sized for the most tokens any graph takes, and the
+    logits of the most rows any graph returns. Every graph reads and writes views of them."""
+
+    input_ids: torch.Tensor  # [tokens]
+    out_loc: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    logits: torch.Tensor  # [rows, vocab]
 
     @classmethod
-    def init(cls, bs: int, vocab_size: int, device: torch.device) -> GraphCaptureBuffer:
+    def init(
+        cls, num_tokens: int, num_rows: int, vocab_size: int, device: torch.device
+    ) -> GraphCaptureBuffer:
         return GraphCaptureBuffer(
-            input_ids=torch.zeros(bs, dtype=torch.int32, device=device),
-            out_loc=torch.zeros(bs, dtype=torch.int32, device=device),
-            positions=torch.zeros(bs, dtype=torch.int32, device=device),
-            logits=torch.empty(bs, vocab_size, dtype=torch.float32, device=device),
+            input_ids=torch.zeros(num_tokens, dtype=torch.int32, device=device),
+            out_loc=torch.zeros(num_tokens, dtype=torch.int32, device=device),
+            positions=torch.zeros(num_tokens, dtype=torch.int32, device=device),
+            logits=torch.empty(num_rows, vocab_size, dtype=torch.float32, device=device),
         )
 
-    def set_batch(self, batch: Batch) -> None:
+    def set_batch(self, batch: Batch, num_tokens: int) -> None:
         """At capture: the batch's inputs become views of the buffers."""
-        s = slice(batch.padded_size)
+        s = slice(num_tokens)
         batch.input_ids, batch.out_loc, batch.positions = (
             self.input_ids[s],
             self.out_loc[s],
@@ -57,7 +66,7 @@ class GraphCaptureBuffer:
 
     def copy_from(self, batch: Batch) -> None:
         """Before replay: this step's inputs go into the buffers."""
-        s = slice(batch.padded_size)
+        s = slice(len(batch.input_ids))  # one per request in decode
         self.input_ids[s] = batch.input_ids
         self.out_loc[s] = batch.out_loc
         self.positions[s] = batch.positions
@@ -86,6 +95,51 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(sizes)
 
 
+def decode_graph_sizes(
+    config: EngineConfig,
+    model: BaseLLMModel,
+    attn_backend: BaseAttnBackend,
+    device: torch.device,
+    free_memory: int,
+) -> list[int]:
+    """The decode batch sizes to capture: none where the model or the backend cannot be
+    captured on CUDA, an explicit list if given, else `graph_batch_sizes` up to a maximum."""
+    on_cuda = device.type == "cuda"
+    if on_cuda and not config.debug_cuda_graph:
+        blocker = model.cuda_graph_blocker
+        if not attn_backend.supports_cuda_graphs:
+            blocker = f"the {attn_backend.name} attention backend cannot be captured"
+        if blocker is not None:
+            if config.cuda_graph_max_bs != 0:
+                logger.info("CUDA graphs off: %s", blocker)
+            return []
+    if config.cuda_graph_bs is not None:
+        return sorted(set(config.cuda_graph_bs))
+    max_bs = config.cuda_graph_max_bs
+    if max_bs is None and on_cuda:
+        max_bs = 256 if free_memory > 80 * 2**30 else 160
+    max_bs = min(max_bs or 0, config.max_running_req)
+    return graph_batch_sizes(max_bs) if max_bs else []
+
+
+# >>> ch23 prefill graphs
+def prefill_token_buckets(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, then steps of 1.5x and 4/3x (192, 256, 384, 512, ...) up to
+    max_tokens, and max_tokens itself: a prefill is padded by less than half its size."""
+    sizes, t = set(), 16
+    while t < max_tokens:
+        sizes.add(t)
+        t = t * 2 if t < 128 else (t * 3 // 2 if t & (t - 1) == 0 else t * 4 // 3)
+    return sorted(sizes | {max_tokens})
+
+
+def prefill_slots(num_tokens: int, max_running_req: int) -> int:
+    """Request slots of the prefill graph for `num_tokens` tokens: a bigger bucket holds
+    more prompts. An empty slot costs a little metadata; a padded token costs real work."""
+    return min(num_tokens, max_running_req, max(16, num_tokens // 16))
+
+
+# <<< ch23
 class GraphRunner:
     def __init__(
         self,
@@ -97,42 +151,63 @@ class GraphRunner:
         vocab_size: int,
         device: torch.device,
         debug: bool = False,  # run eagerly through the same buffers, padding and metadata
+        prefill_mode: str = "off",  # [ch23] "breakable" or "full" when prefill_shapes are given
+        prefill_shapes: list[tuple[int, int]] | None = None,  # [ch23] (request slots, tokens)
     ) -> None:
         self.attn_backend, self.dummy_req, self.device = attn_backend, dummy_req, device
         self.graph_bs_list = sorted(bs_list)
         self.max_graph_bs = max(bs_list, default=0)
         self.graph_map: dict[int, torch.cuda.CUDAGraph | EmulatedGraph] = {}
         self.stream = torch.cuda.Stream(device) if _is_cuda(device) and not debug else None
+        # >>> ch23 prefill graphs, by (request slots, tokens), and what pads a prefill to them
+        self.prefill_shapes = sorted(prefill_shapes or [], key=lambda shape: shape[1])
+        self.prefill_mode = prefill_mode if self.prefill_shapes else "off"
+        self.prefill_graph_map: dict[tuple[int, int], Any] = {}
+        self.boundary = BoundaryBuffers()  # what crosses the breaks of breakable graphs
+        # A zero-length request (no new token, one cached on the dummy page) fills a slot.
+        self.sentinel = self._filler(0)
+        self.sentinel.cached_len = self.sentinel.device_len = 1
+        if self.prefill_shapes:
+            self._capture_graphs(max_seq_len, vocab_size, model)
+            return
+        # <<< ch23
         if self.graph_bs_list:
             self._capture_graphs(max_seq_len, vocab_size, model)
 
     def _capture_graphs(self, max_seq_len: int, vocab_size: int, model: BaseLLMModel) -> None:
         start = time.perf_counter()
-        self.attn_backend.init_capture_graph(max_seq_len=max_seq_len, bs_list=self.graph_bs_list)
+        if self.graph_bs_list:
+            self.attn_backend.init_capture_graph(max_seq_len, self.graph_bs_list)
+        tokens = rows = self.max_graph_bs
+        # >>> ch23 prefill graphs take more tokens, and return one row per request slot
+        if self.prefill_mode == "full":
+            self.attn_backend.init_capture_prefill(max_seq_len, self.prefill_shapes)
+        tokens = max([tokens, *(t for _, t in self.prefill_shapes)])
+        rows = max([rows, *(s for s, _ in self.prefill_shapes)])
+        # <<< ch23
         _synchronize(self.device)
         free_before = _free_memory(self.device)
-        self.buffer = GraphCaptureBuffer.init(self.max_graph_bs, vocab_size, self.device)
+        self.buffer = GraphCaptureBuffer.init(tokens, rows, vocab_size, self.device)
         pool = None
         with _gc_frozen(self.stream is not None):
+            # >>> ch23 the largest prefill first: every later graph reuses its memory pool
+            for slots, tokens in reversed(self.prefill_shapes):
+                batch = Batch([self._filler(tokens)] + [self.sentinel] * (slots - 1), "prefill")
+                if self.prefill_mode == "full":
+                    self.attn_backend.prepare_for_capture(batch)
+                else:  # attention runs eagerly, on ordinary metadata
+                    self.attn_backend.prepare_metadata(batch)
+                self.buffer.set_batch(batch, tokens)
+                graph, pool = self._capture(model, batch, self.buffer.logits[:slots], pool)
+                self.prefill_graph_map[slots, tokens] = graph
+            # <<< ch23
             for bs in sorted(self.graph_bs_list, reverse=True):  # largest first: its pool is reused
                 batch = Batch(reqs=[self.dummy_req] * bs, phase="decode")
                 batch.padded_reqs = batch.reqs
                 self.attn_backend.prepare_for_capture(batch)
-                self.buffer.set_batch(batch)
+                self.buffer.set_batch(batch, bs)
                 logits = self.buffer.logits[:bs]
-                ctx = get_global_ctx()
-                with ctx.forward_batch(batch):
-                    logits.copy_(model.forward())  # warm-up: lazy initialisation stays out
-                    if self.stream is not None:
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=pool, stream=self.stream):
-                            logits.copy_(model.forward())
-                        pool = graph.pool() if pool is None else pool
-                    else:
-                        graph = EmulatedGraph(
-                            lambda m=model, lg=logits: lg.copy_(m.forward()), batch
-                        )
-                self.graph_map[bs] = graph
+                self.graph_map[bs], pool = self._capture(model, batch, logits, pool)
         _synchronize(self.device)
         mode = "CUDA graphs" if self.stream is not None else "emulated graphs"
         logger.info(
@@ -144,12 +219,55 @@ class GraphRunner:
             if _is_cuda(self.device)
             else "",
         )
+        # >>> ch23
+        if self.prefill_shapes:
+            logger.info(
+                "%s prefill graphs for %s tokens (up to %d requests), boundary buffers %.0f MiB",
+                self.prefill_mode,
+                [t for _, t in self.prefill_shapes],
+                max(s for s, _ in self.prefill_shapes),
+                self.boundary.nbytes / 2**20,
+            )
+        # <<< ch23
+
+    def _capture(
+        self, model: BaseLLMModel, batch: Batch, logits: torch.Tensor, pool: Any
+    ) -> tuple[torch.cuda.CUDAGraph | EmulatedGraph, Any]:
+        """Warm up, then capture one forward writing `logits`; returns the graph and the pool."""
+
+        def forward() -> None:
+            logits.copy_(model.forward())
+
+        with get_global_ctx().forward_batch(batch):
+            forward()  # warm-up: lazy initialisation stays out of the graph
+            # >>> ch23
+            if batch.is_prefill and self.prefill_mode == "breakable":
+                graph = BreakableGraph(self.boundary, batch, cuda=self.stream is not None)
+                return graph, graph.capture(forward, pool, self.stream)  # type: ignore[return-value]
+            # <<< ch23
+            if self.stream is None:
+                return EmulatedGraph(forward, batch), pool
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream):
+                forward()
+            return graph, graph.pool() if pool is None else pool
 
     def can_use_cuda_graph(self, batch: Batch) -> bool:
+        # >>> ch23
+        if batch.is_prefill:
+            fits = self._prefill_key(batch) in self.prefill_graph_map
+            fits = fits and batch.logit_rows is None  # [ch25] logits of every prompt token
+            return fits
+        # <<< ch23
         return batch.is_decode and 0 < batch.size <= self.max_graph_bs
 
     def pad_batch(self, batch: Batch) -> None:
         """Round a decode batch up to the nearest captured size with dummy requests."""
+        # >>> ch23
+        if batch.is_prefill:
+            self._pad_prefill(batch)
+            return
+        # <<< ch23
         padded = (
             next(bs for bs in self.graph_bs_list if bs >= batch.size)
             if self.can_use_cuda_graph(batch)
@@ -160,13 +278,84 @@ class GraphRunner:
     def replay(self, batch: Batch) -> torch.Tensor:
         assert self.can_use_cuda_graph(batch)
         self.buffer.copy_from(batch)
+        # >>> ch23
+        if batch.is_prefill:
+            if self.prefill_mode == "full":  # breakable graphs attend eagerly, as planned
+                self.attn_backend.prepare_for_replay(batch)
+            self.prefill_graph_map[self._prefill_key(batch)].replay()
+            return self.buffer.logits[: batch.size]
+        # <<< ch23
         self.attn_backend.prepare_for_replay(batch)
         self.graph_map[batch.padded_size].replay()
         return self.buffer.logits[: batch.size]
 
+    # >>> ch23
+    @staticmethod
+    def prefill_plan(
+        config: EngineConfig,
+        model: BaseLLMModel,
+        attn_backend: BaseAttnBackend,
+        device: torch.device,
+        max_seq_len: int,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """(mode, [(request slots, tokens), ...]) of the prefill graphs to capture.
+
+        The default is breakable graphs on CUDA and none on the CPU, where asking for them
+        gives emulated ones. `full` needs a backend whose prefill metadata has static buffers."""
+        mode, emulated = config.prefill_graph, device.type != "cuda" or config.debug_cuda_graph
+        if mode is None:
+            mode = "off" if emulated else "breakable"
+        if mode == "off":
+            return "off", []
+        if not emulated and model.cuda_graph_blocker is not None:
+            logger.info("prefill graphs off: %s", model.cuda_graph_blocker)
+            return "off", []
+        hooks = type(attn_backend).init_capture_prefill is not BaseAttnBackend.init_capture_prefill
+        if mode == "full" and not (hooks and (emulated or attn_backend.supports_prefill_graphs)):
+            raise ValueError(
+                "prefill_graph='full' needs static prefill metadata, which the "
+                f"{attn_backend.name} attention backend does not have here; use 'breakable'"
+            )
+        tokens = config.prefill_graph_tokens
+        if tokens is None:
+            max_tokens = config.prefill_graph_max_tokens or DEFAULT_PREFILL_TOKENS
+            tokens = prefill_token_buckets(max_tokens)
+        # A padding request is one sequence: its positions must stay inside the context.
+        tokens = sorted({t for t in tokens if t <= max_seq_len})
+        return mode, [(prefill_slots(t, config.max_running_req), t) for t in tokens]
+
+    def _pad_prefill(self, batch: Batch) -> None:
+        """Pad a prefill to the smallest token bucket that holds it: one request in the
+        dummy row takes the missing tokens, zero-length sentinels fill the other slots.
+        More tokens than the largest bucket or more requests than its slots: eager."""
+        if any(r.wants_prompt_logprobs for r in batch.reqs):  # [ch25]
+            return  # [ch25]
+        tokens = sum(r.extend_len for r in batch.reqs)
+        shape = next((s for s in self.prefill_shapes if s[1] >= tokens), None)
+        if shape is None:
+            return
+        slots, bucket = shape
+        filler = [self._filler(bucket - tokens)] if bucket > tokens else []
+        if batch.size + len(filler) > slots:
+            return
+        batch.padded_reqs = batch.reqs + filler
+        batch.padded_reqs += [self.sentinel] * (slots - len(batch.padded_reqs))
+
+    def _prefill_key(self, batch: Batch) -> tuple[int, int]:
+        return batch.padded_size, sum(r.extend_len for r in batch.padded_reqs)
+
+    def _filler(self, num_tokens: int) -> Req:
+        """A request of `num_tokens` new tokens in the dummy row: its K/V goes to the dummy page."""
+        row, params = self.dummy_req.table_idx, self.dummy_req.sampling_params
+        req = Req(torch.zeros(1, dtype=torch.int32), row, 0, 1, -1, params)
+        req.device_len = num_tokens
+        return req
+
+    # <<< ch23
     def destroy_cuda_graphs(self) -> None:
         # Graphs go before anything they captured (NCCL communicators above all) is freed.
         self.graph_map.clear()
+        self.prefill_graph_map.clear()  # [ch23]
         gc.collect()
         if _is_cuda(self.device):
             torch.cuda.empty_cache()

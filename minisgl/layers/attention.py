@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
+from minisgl.engine.breakable import eager_on_graph  # [ch23]
 from minisgl.layers.fused import rope_store_kernel  # [ch20]
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
@@ -39,9 +40,7 @@ class AttentionLayer(nn.Module):
         # >>> ch20 on a GPU, one kernel from qkv to rotated q, with k and v already stored
         if kernel := rope_store_kernel(qkv):
             q = self._fused(kernel, qkv, ctx)
-            return ctx.attn_backend.forward(q, None, None, self.layer_id, ctx.batch).reshape(
-                -1, q_size
-            )
+            return self.attend(q, None, None).reshape(-1, q_size)
         # <<< ch20
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -50,8 +49,14 @@ class AttentionLayer(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(ctx.batch.positions, q, k)
-        out = ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
-        return out.reshape(-1, q_size)
+        return self.attend(q, k, v).reshape(-1, q_size)
+
+    @eager_on_graph  # [ch23] prefill attention plans on the host: it runs between graph segments
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        ctx = get_global_ctx()
+        return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
 
     # >>> ch20
     def _fused(self, kernel, qkv: torch.Tensor, ctx) -> torch.Tensor:

@@ -8,6 +8,7 @@ from torch import nn
 
 from minisgl.core import get_global_ctx  # [ch04]
 from minisgl.distributed import Split, all_gather, all_reduce, get_tp_info  # [ch21]
+from minisgl.engine.breakable import eager_on_graph  # [ch23]
 
 
 class VocabEmbedding(nn.Module):
@@ -52,13 +53,20 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # >>> ch04 a batch knows where each request's last token is
-        batch = get_global_ctx().batch
-        if batch.is_prefill:
-            rows = batch.attn_metadata.get_last_indices()
-            rows = rows if batch.logit_rows is None else batch.logit_rows  # [ch25]
-            hidden = hidden[rows]
+        if get_global_ctx().batch.is_prefill:
+            hidden = self.rows_to_project(hidden)
         # <<< ch04
         return self.project(hidden)
+
+    # >>> ch04
+    @eager_on_graph  # [ch23] which rows: they move with every prefill, so picked eagerly
+    def rows_to_project(self, hidden: torch.Tensor) -> torch.Tensor:
+        batch = get_global_ctx().batch
+        rows = batch.attn_metadata.get_last_indices()
+        rows = rows if batch.logit_rows is None else batch.logit_rows  # [ch25]
+        return hidden[rows]
+
+    # <<< ch04
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
