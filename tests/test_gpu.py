@@ -429,3 +429,52 @@ def test_tp2_matches_tp1_with_graphs(tiny: dict[str, Path], name: str) -> None:
         a = torch.tensor([p["logprob"] for p in one["prompt_logprobs"][1:]])
         b = torch.tensor([p["logprob"] for p in two["prompt_logprobs"][1:]])
         assert close(b, a) < 0.05
+
+
+@pytest.mark.parametrize("attn", ["fi", "triton"])
+@pytest.mark.parametrize("mode", ["breakable", "full"])
+def test_prefill_graphs_on_cuda_equal_debug(tiny: dict[str, Path], attn: str, mode: str) -> None:
+    """Real prefill graphs replay what debug mode runs eagerly through the same runner
+    (same padding, buffers and metadata): chunks, cached prefixes, decode in between."""
+    from minisgl.engine.breakable import BreakableGraph
+
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, 49152, (30,), generator=gen).tolist()
+    prompts = [
+        shared[: 5 + 2 * i] + torch.randint(0, 49152, (3 + i,), generator=gen).tolist()
+        for i in range(10)
+    ]
+    params = [SamplingParams(max_tokens=3 + i % 5, ignore_eos=True) for i in range(10)]
+    kw = dict(
+        attention_backend=attn,
+        dtype=torch.bfloat16,
+        device="cuda",
+        max_running_req=4,
+        num_page_override=2048,
+        max_seq_len_override=128,
+        page_size=4,
+        max_prefill_length=32,
+        cuda_graph_max_bs=4,
+        prefill_graph=mode,
+        prefill_graph_tokens=[8, 16, 32],
+    )
+    outputs = []
+    ENV.DISABLE_OVERLAP_SCHEDULING.value = True
+    try:
+        for debug in (False, True):
+            llm = LLM(str(tiny["qwen3"]), debug_cuda_graph=debug, **kw)
+            graph = llm.engine.graph_runner.prefill_graph_map[4, 16]
+            if mode == "breakable":
+                assert isinstance(graph, BreakableGraph)
+                layers = llm.engine.model_config.num_layers
+                assert len(graph.breaks) == layers + 1  # attention per layer, the LM-head rows
+                assert len(graph.segments) == (0 if debug else layers + 2)
+            elif not debug:
+                assert isinstance(graph, torch.cuda.CUDAGraph)
+            out = [llm.generate(prompts, params, use_tqdm=False) for _ in range(2)]
+            outputs.append([o["token_ids"] for wave in out for o in wave])
+            llm.scheduler.check_integrity()
+            llm.shutdown()
+    finally:
+        ENV.DISABLE_OVERLAP_SCHEDULING.value = False
+    assert outputs[0] == outputs[1]

@@ -108,6 +108,7 @@ class BreakableGraph:
         _active = self
         try:
             if self.cuda:
+                torch.cuda.synchronize()  # as torch.cuda.graph: inputs ready before the side stream
                 with torch.cuda.stream(stream):
                     self._begin()
                     forward()

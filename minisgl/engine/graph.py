@@ -300,11 +300,14 @@ class GraphRunner:
     ) -> tuple[str, list[tuple[int, int]]]:
         """(mode, [(request slots, tokens), ...]) of the prefill graphs to capture.
 
-        The default is breakable graphs on CUDA and none on the CPU, where asking for them
-        gives emulated ones. `full` needs a backend whose prefill metadata has static buffers."""
+        The default is breakable graphs on CUDA (emulated ones in debug mode, which then
+        pads and replays alike) unless CUDA graphs are turned off (`cuda_graph_max_bs=0`),
+        and none on the CPU, where asking for them gives emulated ones. `full` needs a
+        backend whose prefill metadata has static buffers."""
         mode, emulated = config.prefill_graph, device.type != "cuda" or config.debug_cuda_graph
         if mode is None:
-            mode = "off" if emulated else "breakable"
+            on = device.type == "cuda" and config.cuda_graph_max_bs != 0
+            mode = "breakable" if on else "off"
         if mode == "off":
             return "off", []
         if not emulated and model.cuda_graph_blocker is not None:
