@@ -54,6 +54,14 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0 disables CUDA graphs")
     p.add_argument("--debug-cuda-graph", action="store_true")
     # <<< ch18
+    # >>> ch23
+    p.add_argument(
+        "--prefill-graph",
+        choices=["off", "breakable", "full"],
+        default=None,
+        help="prefill CUDA graphs (default: breakable on CUDA, off on CPU)",
+    )
+    # <<< ch23
     p.add_argument("--max-prefill-length", type=int, default=8192)
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")
@@ -85,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             attention_backend=a.attn,
             cuda_graph_max_bs=a.cuda_graph_max_bs,  # [ch18]
             debug_cuda_graph=a.debug_cuda_graph,  # [ch18]
+            prefill_graph=a.prefill_graph,  # [ch23]
             max_prefill_length=a.max_prefill_length,
             cache_type=a.cache,
             # >>> ch21
