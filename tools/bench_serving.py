@@ -380,7 +380,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.base_url = args.base_url.rstrip("/")
     args.tokenizer = args.tokenizer or (args.model if Path(args.model).is_dir() else None)
-    if args.dataset == "random" and not args.tokenizer:
+    if args.dataset == "random" and not args.tokenizer and not args.compare:
         p.error("random prompts need a local tokenizer: pass --tokenizer")
     if args.dataset == "jsonl" and not args.dataset_path:
         p.error("--dataset jsonl needs --dataset-path")

@@ -7,9 +7,11 @@
 # per rate), and so is the number of requests: RATE * WINDOW seconds of arrivals, at least
 # MIN_PROMPTS and at most MAX_PROMPTS. A server's sweep stops after the first rate where a
 # request failed or TTFT p99 passed STOP_MS, or when its time budget is spent; if its
-# lowest rate already missed the SLO, LOW_RATE is tried as well.
+# lowest rate already missed the SLO, LOW_RATE (if set) is tried as well. Both servers are
+# started from $SRC, the tree under test (`python -m` imports from the working directory).
 #
 #   OUT=/tmp/out bash tools/bench_serving_h200.sh      # from the repository root
+#   SRC=/root/src OUT=$OUT WHEEL_DIRS=".whl .gpu_serve/whl" bash tools/bench_serving_h200.sh
 #
 # Everything lands in $OUT (7 files): run.log, bench.log (every run's table), points.jsonl
 # (one JSON per run), compare.txt (the sweeps side by side, sustainable rates), the plot
@@ -29,11 +31,11 @@ FICACHE=${FICACHE:-.gpu/ficache.tgz}  # FlashInfer's JIT-built kernels, when car
 MS_ARGS=${MS_ARGS:-}                # extra `python -m minisgl` flags
 HF_ARGS=${HF_ARGS:---dtype bfloat16 --device cuda}
 MS_RATES=${MS_RATES:-8,16,24,32,48,64,96,128,192}
-HF_RATES=${HF_RATES:-2,4,6,8,12,16,24,32}
-LOW_RATE=${LOW_RATE:-1}
+HF_RATES=${HF_RATES:-0.25,0.5,1,2,4}  # it missed the SLO at 0.5, 1 and 2 (docs/benchmarks.md)
+LOW_RATE=${LOW_RATE-}                 # empty: none
 ALL_RATES=${ALL_RATES:-0.25,0.5,1,2,4,6,8,12,16,24,32,48,64,96,128,192}  # seed = 100 + index
 WINDOW=${WINDOW:-10}
-MIN_PROMPTS=${MIN_PROMPTS:-32}
+MIN_PROMPTS=${MIN_PROMPTS:-16}
 MAX_PROMPTS=${MAX_PROMPTS:-640}
 IN_LEN=${IN_LEN:-512}
 OUT_LEN=${OUT_LEN:-256}
@@ -50,7 +52,10 @@ HF_BUDGET=${HF_BUDGET:-200}
 MS_PORT=${MS_PORT:-1919}
 HF_PORT=${HF_PORT:-8000}
 SERVERS=${SERVERS:-minisgl hf}        # which to run, in this order
+# minisgl start-ups tried in turn until one serves: "ENV=VALUE ...::--flag ...", ';' between
+MS_ATTEMPTS=${MS_ATTEMPTS:-::}
 HF_LABEL="transformers serve --continuous-batching --compile"
+MODEL=$(realpath -m "$MODEL")       # the servers start from $SRC, so no relative path
 WORK=$(mktemp -d)
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
@@ -90,12 +95,14 @@ if [ ! -d "$MODEL" ]; then
     timeout 120 $PY "$SRC/tools/make_random_model.py" --shape qwen3-0.6b --out "$MODEL" \
         --tokenizer-from "$TOKENIZER_FROM" 2>&1 | tail -2
 fi
-say "commit $(cat "$SRC/COMMIT" 2>/dev/null || git -C "$SRC" rev-parse --short HEAD 2>/dev/null)"
+say "commit $(cat "$SRC/COMMIT" 2>/dev/null || git -C "$SRC" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
-$PY - <<'EOF'
+# From $SRC, as the servers: `python -m` puts the working directory first on sys.path, so
+# a server started elsewhere would import whatever minisgl that directory holds.
+(cd "$SRC" && $PY -) <<'EOF'
 import importlib, platform
 print("python", platform.python_version())
-for name in ["torch", "transformers", "flashinfer", "fastapi", "uvicorn", "pydantic", "starlette",
+for name in ["minisgl", "torch", "transformers", "flashinfer", "fastapi", "uvicorn", "pydantic", "starlette",
              "openai", "httpx", "accelerate", "tokenizers", "zmq"]:
     try:
         m = importlib.import_module(name)
@@ -114,6 +121,14 @@ wait_ready() {  # $1 port, $2 seconds: until /health answers 200 (or the server 
         sleep 1
     done
     return 1
+}
+
+gpu_watch() {  # every 5 s while a server starts: who holds how much GPU memory
+    command -v nvidia-smi >/dev/null || return 0
+    while sleep 5; do
+        say "GPU: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader);" \
+            "$(nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader | tr '\n' ' ')"
+    done
 }
 
 seed_of() {  # the rate's place in ALL_RATES: the same prompts for every server at a rate
@@ -164,7 +179,7 @@ sweep() {
         [ -n "$firstv" ] || firstv=$verdict
         case $verdict in stop | none) break ;; esac
     done
-    if [ "$firstv" = slo ] || [ "$firstv" = stop ]; then
+    if [ -n "$LOW_RATE" ] && { [ "$firstv" = slo ] || [ "$firstv" = stop ]; }; then
         verdict=$(bench "$label" "$backend" "$port" "$LOW_RATE")
         say "$label: rate $LOW_RATE -> $verdict"
     fi
@@ -178,19 +193,33 @@ warm() {  # $1 backend, $2 port: a burst of long prompts, short answers, not mea
 
 # ---- minisgl ----------------------------------------------------------------------------
 run_minisgl() {
-    say "minisgl: starting"
-    # shellcheck disable=SC2086
-    setsid $PY -m minisgl --model "$MODEL" --port "$MS_PORT" $MS_ARGS >"$OUT/minisgl.log" 2>&1 &
-    SERVER_PID=$!
-    if wait_ready "$MS_PORT" "$MS_START"; then
-        say "minisgl: ready"
-        warm openai "$MS_PORT"
-        say "minisgl: warmed up"
-        sweep minisgl openai "$MS_PORT" "$MS_RATES" "$MS_BUDGET"
-    else
-        say "minisgl: not ready after $MS_START s"; tail -20 "$OUT/minisgl.log"
-    fi
-    stop_server
+    local attempt envs flags label
+    IFS=';' read -r -a attempts <<<"$MS_ATTEMPTS"
+    for attempt in "${attempts[@]}"; do
+        [ "$(left)" -gt 90 ] || { say "minisgl: no time left for another start"; break; }
+        envs=${attempt%%::*}; flags=${attempt#*::}
+        label="minisgl${flags:+ $flags}"
+        say "minisgl: starting (env: ${envs:-none}; flags: ${MS_ARGS:-none}${flags:+ $flags})"
+        # shellcheck disable=SC2086
+        (cd "$SRC" && exec setsid env $envs $PY -m minisgl --model "$MODEL" --port "$MS_PORT" \
+            $MS_ARGS $flags) >>"$OUT/minisgl.log" 2>&1 &
+        SERVER_PID=$!
+        gpu_watch &
+        local watcher=$!
+        if wait_ready "$MS_PORT" "$MS_START"; then
+            kill "$watcher" 2>/dev/null
+            say "minisgl: ready"
+            warm openai "$MS_PORT"
+            say "minisgl: warmed up"
+            sweep "$label" openai "$MS_PORT" "$MS_RATES" "$MS_BUDGET"
+            stop_server
+            return
+        fi
+        kill "$watcher" 2>/dev/null
+        say "minisgl: not ready (env: ${envs:-none}; flags: ${flags:-none})"
+        ps -eo pid,ppid,etimes,rss,args | grep -E "python|minisgl" | grep -v grep | cut -c1-160
+        stop_server
+    done
 }
 
 # ---- transformers serve -----------------------------------------------------------------
@@ -198,8 +227,8 @@ run_hf() {
     [ "$(left)" -gt 60 ] || return 0
     say "transformers serve: starting"
     # shellcheck disable=SC2086
-    setsid $PY -m transformers.cli.transformers serve "$MODEL" --continuous-batching --compile \
-        --host 127.0.0.1 --port "$HF_PORT" $HF_ARGS >"$OUT/hf.log" 2>&1 &
+    (cd "$SRC" && exec setsid $PY -m transformers.cli.transformers serve "$MODEL" \
+        --continuous-batching --compile --host 127.0.0.1 --port "$HF_PORT" $HF_ARGS) >"$OUT/hf.log" 2>&1 &
     SERVER_PID=$!
     if wait_ready "$HF_PORT" "$HF_START"; then
         say "transformers serve: ready"
@@ -218,7 +247,7 @@ for server in $SERVERS; do "run_$server"; done
 files=$(ls "$WORK"/*.json 2>/dev/null)
 if [ -n "$files" ]; then
     # shellcheck disable=SC2086
-    timeout 60 $PY "$SRC/tools/bench_serving.py" --compare $files --slo-ttft-ms "$SLO_MS" \
+    timeout 60 $PY "$SRC/tools/bench_serving.py" --compare $files --tokenizer "$MODEL" --slo-ttft-ms "$SLO_MS" \
         --plot "$OUT/serving_h200.png" 2>&1 | tee "$OUT/compare.txt"
 fi
 say "done"
