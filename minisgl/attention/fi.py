@@ -175,6 +175,9 @@ class FlashInferBackend(BaseAttnBackend):
                 md.kv_last_page_len,
                 head_dim_qk=head_dim,
                 causal=True,
+                # A graph keeps the kernels of its capture: whether the KV is split (and
+                # merged after) must not change from one plan to the next.
+                disable_split_kv=wrapper is not self.prefill_wrapper,  # [ch23]
                 **self.shape,
             )
         else:
