@@ -76,7 +76,12 @@ class FlashInferBackend(BaseAttnBackend):
     devices = ("cuda",)
     auto_devices = ("cuda",)
     supports_cuda_graphs = True
-    supports_prefill_graphs = True  # [ch23]
+    # >>> ch23 no full prefill graphs: FlashInfer's CUDA-graph prefill plan bounds a request's
+    # query length by (tokens - requests + 1), as if every request had a token, which the
+    # zero-length sentinels of a padded prefill break (measured: wrong tokens). Breakable
+    # prefill graphs run its attention eagerly and need nothing from it.
+    supports_prefill_graphs = False
+    # <<< ch23
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -119,7 +124,6 @@ class FlashInferBackend(BaseAttnBackend):
         )
         self.decode_wrapper = self._decode_wrapper()
         self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its own decode wrapper
-        self.prefill_graph_wrappers: dict[tuple[int, int], Any] = {}  # [ch23] by (slots, tokens)
         self._last_plan: torch.cuda.Event | None = None
 
     def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
@@ -138,7 +142,7 @@ class FlashInferBackend(BaseAttnBackend):
         batch.attn_metadata = md
         if batch.is_decode and batch.padded_size in self.graph_wrappers:
             return  # a graph replay: the runner plans that graph's own wrapper
-        self._plan(md, self.decode_wrapper if batch.is_decode else self.prefill_wrapper, batch)
+        self._plan(md, self.decode_wrapper if batch.is_decode else self.prefill_wrapper)
 
     def _metadata(self, batch: Batch) -> FlashInferMetadata:
         reqs = batch.padded_reqs
@@ -158,7 +162,7 @@ class FlashInferBackend(BaseAttnBackend):
             kv_last_page_len=last_page_len,
         )
 
-    def _plan(self, md: FlashInferMetadata, wrapper: Any, batch: Batch) -> None:
+    def _plan(self, md: FlashInferMetadata, wrapper: Any) -> None:
         # plan() stages its work split in a pinned host buffer of the wrapper and copies it
         # to the device asynchronously. Under overlap scheduling the next plan() can come
         # before that copy has run (it waits behind the batch on the GPU), and would
@@ -167,7 +171,7 @@ class FlashInferBackend(BaseAttnBackend):
         if self._last_plan is not None:
             self._last_plan.synchronize()
         head_dim = self.kv_cache.head_dim
-        if batch.is_prefill:
+        if wrapper is self.prefill_wrapper:
             wrapper.plan(
                 md.qo_indptr_host,
                 md.kv_indptr,
@@ -175,9 +179,6 @@ class FlashInferBackend(BaseAttnBackend):
                 md.kv_last_page_len,
                 head_dim_qk=head_dim,
                 causal=True,
-                # A graph keeps the kernels of its capture: whether the KV is split (and
-                # merged after) must not change from one plan to the next.
-                disable_split_kv=wrapper is not self.prefill_wrapper,  # [ch23]
                 **self.shape,
             )
         else:
@@ -214,46 +215,10 @@ class FlashInferBackend(BaseAttnBackend):
 
     def prepare_for_capture(self, batch: Batch) -> None:
         md = self._metadata(batch)
-        self._plan(md, self._graph_wrapper(batch, md), batch)
+        self._plan(md, self.graph_wrappers[batch.padded_size])
         batch.attn_metadata = md
 
     def prepare_for_replay(self, batch: Batch) -> None:
         md = batch.attn_metadata
         assert isinstance(md, FlashInferMetadata)
-        self._plan(md, self._graph_wrapper(batch, md), batch)
-
-    def _graph_wrapper(self, batch: Batch, md: FlashInferMetadata) -> Any:
-        # >>> ch23
-        if batch.is_prefill:
-            return self.prefill_graph_wrappers[batch.padded_size, int(md.qo_indptr_host[-1])]
-        # <<< ch23
-        return self.graph_wrappers[batch.padded_size]
-
-    # >>> ch23
-    def init_capture_prefill(self, max_seq_len: int, shapes: list[tuple[int, int]]) -> None:
-        # As for decode: one set of buffers for the most slots, a wrapper per shape over
-        # slices of them. A wrapper's slot count is fixed, and its first plan (at capture,
-        # with every token of the shape) fixes the most tokens it takes.
-        import flashinfer
-
-        max_slots, device = max(s for s, _ in shapes), self.device
-        pages_per_row = cdiv(self.page_table.size(1), self.kv_cache.page_size)
-        qo_indptr = torch.zeros(max_slots + 1, dtype=torch.int32, device=device)
-        indptr = torch.zeros(max_slots + 1, dtype=torch.int32, device=device)
-        indices = torch.zeros(max_slots * pages_per_row, dtype=torch.int32, device=device)
-        last_page_len = torch.zeros(max_slots, dtype=torch.int32, device=device)
-        for slots, tokens in shapes:
-            self.prefill_graph_wrappers[slots, tokens] = (
-                flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                    self.workspace,
-                    "NHD",
-                    backend="fa2",
-                    use_cuda_graph=True,
-                    qo_indptr_buf=qo_indptr[: slots + 1],
-                    paged_kv_indptr_buf=indptr[: slots + 1],
-                    paged_kv_indices_buf=indices,
-                    paged_kv_last_page_len_buf=last_page_len[:slots],
-                )
-            )
-
-    # <<< ch23
+        self._plan(md, self.graph_wrappers[batch.padded_size])

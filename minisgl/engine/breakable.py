@@ -113,6 +113,9 @@ class BreakableGraph:
                     self._begin()
                     forward()
                     self._end()
+                # The eager calls ran for real on the side stream: let them finish before
+                # anything (the next shape's attention plan) reuses what they read.
+                torch.cuda.synchronize()
             else:
                 forward()  # sizes the boundary buffers, as a capture would
         finally:
