@@ -15,7 +15,9 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -25,8 +27,9 @@ import torch.multiprocessing as mp
 from helpers import SMOL, TINY, all_logits, hf_greedy, make_engine, need
 
 from minisgl.core import Req, SamplingParams
-from minisgl.distributed import Split, get_tp_info
+from minisgl.distributed import Split, destroy_distributed, get_tp_info, init_distributed
 from minisgl.distributed.info import set_tp_info
+from minisgl.engine.limits import EngineLimits
 from minisgl.kvcache.allocator import page_slots
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
@@ -78,7 +81,25 @@ def teacher_forced(path: Path, tp_size: int, rank: int, port: int) -> torch.Tens
         engine.shutdown()
 
 
-def rank_main(paths: list[Path], rank: int, ports: list[int], results: mp.Queue) -> None:
+def two_ranks(target: Any, *args: Any, results: int, timeout: float = 300) -> dict:
+    """Run `target(*args, rank, queue)` as ranks 0 and 1; the (key, value) pairs they put."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    ranks = [ctx.Process(target=target, args=(*args, r, queue)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=timeout) for _ in range(results))
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+    return got
+
+
+def rank_main(paths: list[Path], ports: list[int], rank: int, results: mp.Queue) -> None:
     torch.set_num_threads(1)
     for path, port in zip(paths, ports):
         logits = teacher_forced(path, 2, rank, port)
@@ -88,20 +109,7 @@ def rank_main(paths: list[Path], rank: int, ports: list[int], results: mp.Queue)
 
 def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
     paths = [need(p) for p in TINY.values()] + [one_kv_head_model(tmp_path / "one-kv")]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    ports = [free_port() for _ in paths]
-    ranks = [ctx.Process(target=rank_main, args=(paths, r, ports, results)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        got = dict(results.get(timeout=300) for _ in paths)
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in ranks] == [0, 0]
+    got = two_ranks(rank_main, paths, [free_port() for _ in paths], results=len(paths))
     for path in paths:
         want = teacher_forced(path, 1, 0, 0)
         diff = (torch.from_numpy(got[str(path)]) - want).abs().max().item()
@@ -118,6 +126,30 @@ def test_indivisible_shapes_are_named_before_loading() -> None:
         config.check_tp(4)
     with pytest.raises(ValueError, match="num_attention_heads 9"):
         LLM(str(SMOL), device="cpu", tp_size=2)  # refused before any rank starts
+
+
+def limits_rank(rows: list[int], port: int, rank: int, results: mp.Queue) -> None:
+    """Two rounds over two ranks: equal limits, then `rows[rank]` requests at once."""
+    init_distributed(rank, 2, f"127.0.0.1:{port}", torch.device("cpu"))
+    try:
+        limits = EngineLimits(256, 64, 4, 8, 49152)
+        limits.check_ranks_agree()
+        try:
+            replace(limits, max_running_req=rows[rank]).check_ranks_agree()
+            results.put((rank, None))
+        except ValueError as e:
+            results.put((rank, str(e)))
+    finally:
+        destroy_distributed()
+
+
+def test_ranks_whose_limits_differ_all_refuse_to_start() -> None:
+    # A rank on another machine has a command line of its own: told 16 rows where rank 0
+    # has 8, it would schedule otherwise and wait in collectives rank 0 never joins.
+    errors = two_ranks(limits_rank, [8, 16], free_port(), results=2, timeout=120)
+    assert errors[0] is not None and "another rank's limits differ" in errors[0], errors
+    assert errors[1] is not None and "max_running_req=16" in errors[1], errors
+    assert "max_running_req=8" in errors[1] and "same settings" in errors[1], errors
 
 
 def test_kv_heads_are_shared_when_fewer_than_ranks() -> None:

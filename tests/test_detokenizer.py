@@ -10,6 +10,7 @@ real ipc pipes in a temporary folder.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import zmq
 from helpers import SMOL, need
 
 from minisgl.core import SamplingParams
+from minisgl.engine.limits import EngineLimits
 from minisgl.message.backend import (
     AbortMsg,
     SchedulerOutput,
@@ -29,7 +31,7 @@ from minisgl.message.frontend import AcceptedMsg, DeltaMsg, RejectedMsg, Tokeniz
 from minisgl.message.transport import Reader, address
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.tokenizer import Tokenizer
-from minisgl.tokenizer.worker import Limits, TokenizerWorker
+from minisgl.tokenizer.worker import TokenizerWorker
 
 EOS = 2  # <|im_end|>
 
@@ -183,7 +185,9 @@ def test_special_tokens(tok, skip):
 
 # ---- the worker ---------------------------------------------------------------------------
 
-LIMITS = Limits(max_seq_len=40, max_kv_tokens=100, vocab_size=49152)
+LIMITS = EngineLimits(
+    max_seq_len=40, num_pages=25, page_size=4, max_running_req=8, vocab_size=49152
+)
 
 
 class Pipes:
@@ -217,40 +221,46 @@ def worker(tmp_path: Path) -> Iterator[tuple[TokenizerWorker, Pipes]]:
     pipes.close()
 
 
-def test_check_accepts_what_fits(worker):
-    w, _ = worker
-    w.check([1])
-    w.check(list(range(LIMITS.max_seq_len - 1)))  # room for one generated token
-    w.check([0, LIMITS.vocab_size - 1])
+def test_worker_accepts_what_fits(worker):
+    w, pipes = worker
+    prompts = [[1], list(range(LIMITS.max_seq_len - 1)), [0, LIMITS.vocab_size - 1]]
+    for uid, ids in enumerate(prompts):
+        w.handle_api(TokenizeMsg(uid, SamplingParams(), input_ids=ids))
+    assert pipes.take(pipes.api, 3) == [AcceptedMsg(i, len(ids)) for i, ids in enumerate(prompts)]
+    pipes.take(pipes.scheduler, 3)
 
 
 @pytest.mark.parametrize(
-    "ids,words",
+    "limits,ids,code",
     [
-        ([], ["empty"]),
-        (list(range(50)), ["50 tokens", "40 tokens"]),
-        (list(range(40)), ["40 tokens", "context is 40"]),
-        ([5, 49152], ["vocabulary", "49152"]),
-        ([-1], ["vocabulary"]),
+        (LIMITS, [], None),
+        (LIMITS, list(range(50)), "context_length_exceeded"),
+        (LIMITS, list(range(40)), "context_length_exceeded"),
+        (
+            replace(LIMITS, max_seq_len=1000, num_pages=10, page_size=1),
+            [1] * 12,
+            "context_length_exceeded",
+        ),
+        (LIMITS, [5, 49152], None),
+        (LIMITS, [-1], None),
     ],
-    ids=["empty", "longer-than-context", "no-room-to-generate", "id-too-big", "id-negative"],
+    ids=["empty", "longer-than-context", "no-room-to-generate", "kv-cache", "id-big", "id-neg"],
 )
-def test_check_refuses(worker, ids, words):
-    w, _ = worker
-    with pytest.raises(ValueError) as e:
-        w.check(ids)
-    for word in words:
-        assert word in str(e.value), str(e.value)
-
-
-def test_check_refuses_a_prompt_bigger_than_the_kv_cache(tmp_path):
-    w = TokenizerWorker(str(need(SMOL)), str(tmp_path), Limits(1000, 10, 49152))
+def test_worker_refuses_with_the_schedulers_words(tmp_path, limits, ids, code):
+    """The worker refuses what the scheduler would, with the same message, and marks a prompt
+    that is too long with OpenAI's code."""
+    pipes = Pipes(tmp_path)
+    w = TokenizerWorker(str(need(SMOL)), str(tmp_path), limits)
     try:
-        with pytest.raises(ValueError, match="12 tokens.*10"):
-            w.check(list(range(12)))
+        w.handle_api(TokenizeMsg(3, SamplingParams(), input_ids=ids))
+        with pytest.raises(ValueError) as e:
+            limits.check_prompt(ids)
+        assert pipes.take(pipes.api, 1) == [RejectedMsg(3, str(e.value), code)]
+        assert pipes.scheduler.recv(timeout_ms=100) is None
     finally:
         for r in (w.from_api, w.from_scheduler, w.to_api, w.to_scheduler):
             r.socket.close(linger=0)
+        pipes.close()
 
 
 def test_worker_accepts_a_prompt_and_forwards_the_tokens(worker, tok):

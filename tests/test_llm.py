@@ -117,7 +117,7 @@ def test_over_long_prompt_is_refused_and_the_llm_stays_usable() -> None:
     llm = make_llm()
     tok = llm.tokenizer
     short = tok.encode("The capital of France is")
-    with pytest.raises(ValueError, match=re.escape("prompt 1: prompt has 1500 tokens")) as err:
+    with pytest.raises(ValueError, match=re.escape("prompt 1: the prompt has 1500 tokens")) as err:
         llm.generate([short, [42] * 1500], SamplingParams(max_tokens=4))
     assert "1024" in str(err.value)
     assert not llm.scheduler.has_work  # nothing half-submitted

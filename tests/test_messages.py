@@ -25,6 +25,7 @@ import zmq.asyncio
 from helpers import SMOL, hf_greedy, need
 
 from minisgl.core import SamplingParams
+from minisgl.engine.limits import EngineLimits
 from minisgl.message import backend, frontend
 from minisgl.message.backend import (
     AbortMsg,
@@ -71,6 +72,9 @@ STATS = SchedulerStats(
     cached_tokens_total=17,
     preemptions_total=2,
 )
+LIMITS = EngineLimits(
+    max_seq_len=256, num_pages=512, page_size=1, max_running_req=256, vocab_size=49152
+)
 
 MESSAGES = [
     UserMsg(7, [1, 2, 3, 49151], PARAMS),
@@ -89,7 +93,7 @@ MESSAGES = [
     RejectedMsg(1, "the prompt has 300 tokens; this model's context is 256 tokens"),
     DeltaMsg(1, "caf\u00e9 ", 1234, " café", -0.5, False, None, 0),
     DeltaMsg(1, "", None, None, None, True, "stop", 12),
-    ReadyMsg("scheduler", {"max_seq_len": 256, "vocab_size": 49152, "device": "cpu"}),
+    ReadyMsg("scheduler", {"limits": LIMITS.to_dict(), "device": "cpu"}),
     ReadyMsg("tokenizer"),
     StopMsg(),  # rank 0 to the other ranks: no fields at all  # [ch21]
     # >>> ch25 logit_bias's integer keys, a schema, and the logprobs' nested messages
@@ -177,6 +181,13 @@ def test_wire_bytes_are_plain_msgpack(msg):
     raw = msgpack.unpackb(data, raw=False, strict_map_key=False)
     assert plain(raw), raw
     assert raw["_t"] == type(msg).__name__
+
+
+def test_ready_message_carries_the_engine_limits():
+    # The tokenizer worker learns what a prompt must fit from the scheduler's ready message.
+    info = decode(encode(ReadyMsg("scheduler", {"limits": LIMITS.to_dict()}))).info
+    assert EngineLimits.from_dict(info["limits"]) == LIMITS
+    assert msgpack.unpackb(encode(LIMITS.to_dict())) == dataclasses.asdict(LIMITS)
 
 
 def test_unknown_types_are_refused():

@@ -9,14 +9,17 @@ prefix of it. This chapter's cache manager caches nothing, so every run uses "na
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
 
+import msgpack
 import pytest
 import torch
 from helpers import SMOL, hf_greedy, need
 
 from minisgl.core import SamplingParams
+from minisgl.engine.limits import EngineLimits, PromptTooLong
 from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
@@ -138,10 +141,10 @@ def assert_idle(sched: Scheduler) -> None:
     assert not sched.has_work
     sched.check_integrity()
     assert not sched.reqs, f"requests left behind: {list(sched.reqs.values())}"
-    rows = sched.engine.config.max_running_req
+    rows, total = sched.limits.max_running_req, sched.limits.num_pages
     assert sched.table.available == rows, f"{rows - sched.table.available} rows still taken"
     pages = sched.cache.allocator.num_free
-    assert pages == sched.engine.num_pages, f"{sched.engine.num_pages - pages} pages not freed"
+    assert pages == total, f"{total - pages} pages not freed"
 
 
 # ---- outputs ----------------------------------------------------------------------------
@@ -244,17 +247,73 @@ def test_prompt_longer_than_the_prefill_budget_still_runs(prompts) -> None:
 # ---- refused requests -------------------------------------------------------------------
 
 
+LIMITS = EngineLimits(max_seq_len=40, num_pages=25, page_size=4, max_running_req=8, vocab_size=100)
+
+
+def test_limits_are_the_engines_and_travel_as_plain_msgpack(sched: Scheduler) -> None:
+    engine = sched.engine
+    assert sched.limits == EngineLimits.of(engine)
+    assert (sched.limits.max_seq_len, sched.limits.num_pages) == (MAX_SEQ_LEN, 512)
+    assert sched.limits.max_kv_tokens == engine.num_pages * engine.page_size
+    assert sched.limits.max_running_req == sched.table.available == 8
+    assert sched.limits.vocab_size == engine.model_config.vocab_size
+    data = msgpack.packb(LIMITS.to_dict())
+    assert msgpack.unpackb(data) == {
+        "max_seq_len": 40,
+        "num_pages": 25,
+        "page_size": 4,
+        "max_running_req": 8,
+        "vocab_size": 100,
+    }
+    assert EngineLimits.from_dict(msgpack.unpackb(data)) == LIMITS
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LIMITS.num_pages = 1  # type: ignore[misc]
+
+
+def test_check_prompt_accepts_what_fits() -> None:
+    LIMITS.check_prompt([1])
+    LIMITS.check_prompt(list(range(LIMITS.max_seq_len - 1)))  # room for one generated token
+    LIMITS.check_prompt([0, LIMITS.vocab_size - 1])
+    kv = dataclasses.replace(LIMITS, max_seq_len=1000)  # the KV cache is the tighter limit
+    kv.check_prompt([1] * (kv.max_kv_tokens - 1))
+    assert kv.max_req_len == kv.max_kv_tokens == 100 and LIMITS.max_req_len == 40
+
+
+@pytest.mark.parametrize(
+    "limits,ids,words,too_long",
+    [
+        (LIMITS, [], ["empty"], False),
+        (LIMITS, [1] * 50, ["50 tokens", "context is 40 tokens"], True),
+        (LIMITS, [1] * 40, ["40 tokens", "context is 40", "one generated token"], True),
+        (dataclasses.replace(LIMITS, max_seq_len=1000), [1] * 100, ["KV cache holds 100"], True),
+        (LIMITS, [5, 100], ["vocabulary [0, 100)"], False),
+        (LIMITS, [-1], ["vocabulary"], False),
+    ],
+    ids=["empty", "longer-than-context", "no-room-to-generate", "kv-cache", "id-big", "id-neg"],
+)
+def test_check_prompt_refuses(limits, ids, words, too_long) -> None:
+    with pytest.raises(ValueError) as e:
+        limits.check_prompt(ids)
+    for word in words:
+        assert word in str(e.value), str(e.value)
+    assert isinstance(e.value, PromptTooLong) == too_long
+    assert getattr(e.value, "code", None) == ("context_length_exceeded" if too_long else None)
+
+
 def test_validate_refuses_what_can_never_run(sched: Scheduler, prompts) -> None:
     with pytest.raises(ValueError, match="empty"):
         sched.validate(request([]))
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(PromptTooLong) as err:
         sched.validate(request([42] * (MAX_SEQ_LEN + 7)))
-    assert str(MAX_SEQ_LEN + 7) in str(err.value) and str(MAX_SEQ_LEN) in str(err.value)
+    assert str(err.value) == (
+        f"the prompt has {MAX_SEQ_LEN + 7} tokens; this model's context is {MAX_SEQ_LEN} "
+        "tokens, including at least one generated token"
+    )
     # The context must hold one generated token too: a prompt of exactly max_seq_len is refused.
     with pytest.raises(ValueError, match=str(MAX_SEQ_LEN)):
         sched.validate(request([42] * MAX_SEQ_LEN))
     sched.validate(request([42] * (MAX_SEQ_LEN - 1)))  # the longest that may run
-    vocab = sched.engine.model_config.vocab_size
+    vocab = sched.limits.vocab_size
     for bad in (vocab, vocab + 100, -1):
         with pytest.raises(ValueError, match="vocabulary"):
             sched.validate(request([1, 2, bad, 3]))
@@ -271,11 +330,14 @@ def test_validate_refuses_what_can_never_run(sched: Scheduler, prompts) -> None:
 
 
 def test_prompt_larger_than_the_kv_pool_is_refused(small_pool: Scheduler, prompts) -> None:
-    capacity = small_pool.engine.num_pages * small_pool.engine.page_size  # 32 tokens
+    capacity = small_pool.limits.max_kv_tokens  # 8 pages of 4 tokens
+    assert capacity == 32 and small_pool.limits.max_req_len == capacity
     small_pool.validate(request([42] * (capacity - 1)))
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(PromptTooLong) as err:
         small_pool.add_request(request([42] * capacity))
-    assert str(capacity) in str(err.value)
+    assert f"the prompt has {capacity} tokens; the KV cache holds {capacity} tokens" in str(
+        err.value
+    )
     assert not small_pool.has_work
     msg = request(prompts[1], max_tokens=4, ignore_eos=True)
     assert tokens(run(small_pool, [msg]), msg.uid) == (reference(prompts[1], 4), "length")
@@ -308,7 +370,7 @@ def test_small_pool_preempts_and_outputs_still_equal_hf(small_pool: Scheduler, p
 def test_request_longer_than_the_pool_does_not_hang(small_pool: Scheduler, prompts) -> None:
     # The prompt fits the pool (validate accepts it) but prompt + max_tokens does not: once the
     # pool is full the request must end (or be refused up front), not loop forever.
-    capacity = small_pool.engine.num_pages * small_pool.engine.page_size
+    capacity = small_pool.limits.max_kv_tokens
     ids = prompts[5][:20]
     msg = request(ids, max_tokens=capacity, ignore_eos=True)
     try:

@@ -873,6 +873,21 @@ def test_openai_client_raises_on_bad_input(client):
         client.completions.create(model="no-such-model", prompt="Hi")
 
 
+def test_a_prompt_too_long_is_refused_in_the_same_words_online_and_offline(client, llm):
+    ids = [42] * (CONTEXT + 10)
+    with pytest.raises(openai.BadRequestError) as online:
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=4)
+    assert online.value.status_code == 400 and online.value.code == "context_length_exceeded"
+    with pytest.raises(ValueError) as offline:
+        llm.generate([ids], SamplingParams(max_tokens=4), use_tqdm=False)
+    message = (
+        f"the prompt has {CONTEXT + 10} tokens; this model's context is {CONTEXT} tokens, "
+        "including at least one generated token"
+    )
+    assert online.value.body["message"] == message
+    assert str(offline.value) == f"prompt 0: {message}"
+
+
 # ---- hostile input: a bounded fuzz -------------------------------------------------------
 
 BIG = 2**64  # one past what msgpack can carry

@@ -90,19 +90,8 @@ def run_scheduler_worker(config: SchedulerConfig, ipc_dir: str, log_level: str) 
         raise
     inbox = Reader(ctx, address(ipc_dir, "scheduler"))
     outbox = Writer(ctx, address(ipc_dir, "detokenizer"))
-    engine = scheduler.engine
-    ready.send(
-        ReadyMsg(
-            "scheduler",
-            {
-                "max_seq_len": engine.max_seq_len,
-                "max_kv_tokens": engine.num_pages * engine.page_size,
-                "kv_pages_total": engine.num_pages,
-                "vocab_size": engine.model_config.vocab_size,
-                "device": str(engine.device),
-            },
-        )
-    )
+    info = {"limits": scheduler.limits.to_dict(), "device": str(scheduler.engine.device)}
+    ready.send(ReadyMsg("scheduler", info))
     try:
         serve(scheduler, inbox, outbox)
     finally:

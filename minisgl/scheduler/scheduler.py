@@ -19,6 +19,7 @@ import torch
 
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine, ForwardOutput, StepLogits
+from minisgl.engine.limits import EngineLimits
 from minisgl.env import ENV  # [ch12]
 from minisgl.message.backend import (
     AbortMsg,
@@ -32,7 +33,6 @@ from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
-from minisgl.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +48,12 @@ class InFlight:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: set[int]) -> None:
         self.engine = engine = Engine(config)
+        self.limits = limits = EngineLimits.of(engine)  # what the engine holds, in numbers
+        limits.check_ranks_agree()  # every rank must plan alike  # [ch21]
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.table = TableManager(config.max_running_req, engine.token_pool)
+        self.table = TableManager(limits.max_running_req, engine.token_pool)
         self.cache = CacheManager(
-            engine.num_pages, engine.page_size, engine.page_table, config.cache_type
+            limits.num_pages, limits.page_size, engine.page_table, config.cache_type
         )
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length)
         self.decode = DecodeManager()
@@ -61,7 +63,7 @@ class Scheduler:
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
         self.num_preemptions = 0
         # >>> ch25
-        self.grammars = Grammars(config.model_path, engine.model_config.vocab_size, eos_token_ids)
+        self.grammars = Grammars(config.model_path, limits.vocab_size, eos_token_ids)
         self._prompt_logprobs: dict[int, PromptLogprobs] = {}  # gathered over a prompt's chunks
         # <<< ch25
 
@@ -69,25 +71,9 @@ class Scheduler:
 
     def validate(self, msg: UserMsg) -> None:
         """Raise ValueError if the request can never run; nothing is changed."""
-        n, limit = len(msg.input_ids), self.engine.max_seq_len
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= limit:
-            raise ValueError(
-                f"prompt has {n} tokens; the context is {limit} tokens, which must also hold "
-                "at least one generated token"
-            )
-        vocab = self.engine.model_config.vocab_size
-        if not all(0 <= t < vocab for t in msg.input_ids):
-            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
-        pages = cdiv(n + 1, self.engine.page_size)
-        if pages > self.engine.num_pages:
-            raise ValueError(
-                f"prompt has {n} tokens; the KV cache holds only "
-                f"{self.engine.num_pages * self.engine.page_size}"
-            )
+        self.limits.check_prompt(msg.input_ids)
         # >>> ch25
-        params = msg.sampling_params
+        params, vocab = msg.sampling_params, self.limits.vocab_size
         if not all(0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab})")
         if params.json_schema is not None:
@@ -96,11 +82,7 @@ class Scheduler:
 
     def add_request(self, msg: UserMsg) -> None:
         self.validate(msg)
-        # A request can grow to the context length, or to the whole KV cache if that is
-        # smaller: beyond it, even running alone, it could never get another page.
-        e = self.engine
-        limit = min(e.max_seq_len, e.num_pages * e.page_size)
-        max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, limit)
+        max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, self.limits.max_req_len)
         ids = torch.tensor(msg.input_ids, dtype=torch.int32)
         self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len, len(ids)))
         if msg.sampling_params.json_schema is not None:  # [ch25]
@@ -301,7 +283,7 @@ class Scheduler:
         """Every KV page accounted for exactly once; radix reference counts consistent."""
         self.cache.check_integrity(list(self.reqs.values()))
         rows = self.table.available + len(self.reqs)
-        assert rows == self.engine.config.max_running_req, f"rows leaked: {rows} accounted"
+        assert rows == self.limits.max_running_req, f"rows leaked: {rows} accounted"
 
     def shutdown(self) -> None:
         self._drain()

@@ -24,13 +24,14 @@ UNHEALTHY_GRACE_S = 2.0  # how long a server with a dead worker reports 503 befo
 
 
 async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
-    info = tree.scheduler_info
-    frontend = Frontend(tree.ipc_dir, info["kv_pages_total"])
+    limits = tree.limits
+    assert limits is not None, "the scheduler reports its limits when it is ready"
+    frontend = Frontend(tree.ipc_dir, limits.num_pages)
     app = create_app(
         frontend,
         args.served_model_name,
         lambda: tree.dead() is None,
-        info["vocab_size"],
+        limits.vocab_size,
         aliases=(args.scheduler.model_path,),
     )
     server = uvicorn.Server(

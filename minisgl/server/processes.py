@@ -23,6 +23,7 @@ from typing import Any
 
 import zmq
 
+from minisgl.engine.limits import EngineLimits
 from minisgl.message.frontend import ReadyMsg
 from minisgl.message.transport import Reader, address
 from minisgl.scheduler.io import (
@@ -31,7 +32,7 @@ from minisgl.scheduler.io import (
     with_rendezvous,  # [ch21]
 )
 from minisgl.server.args import ServerArgs
-from minisgl.tokenizer.worker import Limits, run_tokenizer_worker
+from minisgl.tokenizer.worker import run_tokenizer_worker
 
 try:
     from setproctitle import setproctitle
@@ -55,7 +56,7 @@ class ProcessTree:
         self.ipc_dir = tempfile.mkdtemp(prefix="minisgl-")  # mode 0700: ours alone
         self.procs: list[BaseProcess] = []
         self._ready = Reader(zmq.Context.instance(), address(self.ipc_dir, "ready"))
-        self.scheduler_info: dict[str, Any] = {}  # what the scheduler reported at start-up
+        self.limits: EngineLimits | None = None  # the scheduler's, from its ready message
 
     def start(self) -> None:
         level = self.args.log_level
@@ -70,14 +71,13 @@ class ProcessTree:
             return  # a machine without rank 0 hosts ranks only: no tokenizer, no API
         # <<< ch21
         info = self._start("scheduler", run_scheduler_worker, config, self.ipc_dir, level)
-        self.scheduler_info = info
-        limits = Limits(info["max_seq_len"], info["max_kv_tokens"], info["vocab_size"])
+        self.limits = EngineLimits.from_dict(info["limits"])
         self._start(
             "tokenizer",
             run_tokenizer_worker,
             self.args.scheduler.model_path,
             self.ipc_dir,
-            limits,
+            self.limits,
             level,
         )
 

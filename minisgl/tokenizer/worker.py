@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import zmq
 
+from minisgl.engine.limits import EngineLimits, PromptTooLong
 from minisgl.message.backend import AbortMsg, SchedulerOutput, TokenMsg, UserMsg
 from minisgl.message.frontend import (
     AcceptedMsg,
@@ -29,21 +29,8 @@ from minisgl.tokenizer.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-class TooLong(ValueError):
-    """The prompt does not fit the context (or the KV cache)."""
-
-
-@dataclass
-class Limits:
-    """What a prompt must respect, as the scheduler reported at start-up."""
-
-    max_seq_len: int  # the prompt plus at least one generated token
-    max_kv_tokens: int  # the whole KV cache
-    vocab_size: int
-
-
 class TokenizerWorker:
-    def __init__(self, model_path: str, ipc_dir: str, limits: Limits) -> None:
+    def __init__(self, model_path: str, ipc_dir: str, limits: EngineLimits) -> None:
         self.tokenizer = Tokenizer(model_path)
         self.limits = limits
         ctx = zmq.Context()
@@ -75,9 +62,9 @@ class TokenizerWorker:
             return
         try:
             ids = self.tokenize(msg)
-            self.check(ids)
+            self.limits.check_prompt(ids)  # the scheduler's own check, done before it
         except ValueError as e:
-            code = "context_length_exceeded" if isinstance(e, TooLong) else None
+            code = e.code if isinstance(e, PromptTooLong) else None
             self.to_api.send(RejectedMsg(msg.uid, str(e), code))
             return
         self.detoks[msg.uid] = IncrementalDetokenizer(
@@ -99,22 +86,6 @@ class TokenizerWorker:
             # The template already wrote the special tokens it wants.
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(msg.prompt or "")
-
-    def check(self, ids: list[int]) -> None:
-        n, lim = len(ids), self.limits
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n >= lim.max_seq_len:
-            raise TooLong(
-                f"the prompt has {n} tokens; this model's context is {lim.max_seq_len} tokens, "
-                "including at least one generated token"
-            )
-        if n + 1 > lim.max_kv_tokens:
-            raise TooLong(f"the prompt has {n} tokens; the KV cache holds {lim.max_kv_tokens}")
-        if any(not 0 <= t < lim.vocab_size for t in ids):
-            raise ValueError(
-                f"the prompt has token ids outside the vocabulary [0, {lim.vocab_size})"
-            )
 
     def handle_scheduler(self, out: SchedulerOutput) -> None:
         for msg in out.tokens:
@@ -175,7 +146,9 @@ class TokenizerWorker:
     # <<< ch25
 
 
-def run_tokenizer_worker(model_path: str, ipc_dir: str, limits: Limits, log_level: str) -> None:
+def run_tokenizer_worker(
+    model_path: str, ipc_dir: str, limits: EngineLimits, log_level: str
+) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s tokenizer %(levelname)s %(message)s")
     worker = TokenizerWorker(model_path, ipc_dir, limits)
     ready = Writer(zmq.Context.instance(), address(ipc_dir, "ready"))
