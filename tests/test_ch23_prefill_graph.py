@@ -14,22 +14,22 @@ from minisgl.engine.graph import prefill_slots, prefill_token_buckets
 from minisgl.env import ENV
 from minisgl.llm import LLM
 
-# Two families of prompts sharing long prefixes (the second wave hits the radix cache),
+# Two families of prompts sharing long prefixes (later ones hit the radix cache),
 # some long enough to be chunked by the 32-token prefill budget; requests end at different
 # steps, so new prompts are prefilled between the decode steps of others.
 STEM_A = "The history of the city begins with a small settlement on the river, where"
 STEM_B = "def merge_sort(items):\n    if len(items) <= 1:\n        return items\n"
 PROMPTS = [
     "Hi",
-    STEM_A + " traders met",
     "List three prime numbers:",
+    "Water boils at",
+    "1, 1, 2, 3, 5, 8,",
+    STEM_A + " traders met",
     STEM_B + "    mid = len(items) // 2",
     STEM_A + " fishermen built boats and the first bridge was made of wood, then of stone",
-    "Water boils at",
     STEM_B + "    left, right = [], []",
-    "1, 1, 2, 3, 5, 8,",
 ]
-TOKENS = [5, 3, 6, 4, 5, 3, 4, 6]
+TOKENS = [5, 3, 6, 3, 5, 3, 4, 6]
 KW = dict(
     dtype=torch.float32,
     device="cpu",
@@ -50,8 +50,8 @@ def serial():
 
 
 def run(llm: LLM) -> tuple[list[list[int]], list[dict]]:
-    """Tokens of two waves of the prompts (the second one from the prefix cache), and one
-    record per prefill forward: whether it replayed a graph, and what it held."""
+    """Tokens of the prompts, and one record per prefill forward: whether it replayed a
+    graph, and what it held."""
     engine = llm.engine
     log: list[dict] = []
     logits = type(engine)._logits
@@ -73,7 +73,7 @@ def run(llm: LLM) -> tuple[list[list[int]], list[dict]]:
     engine._logits = logged.__get__(engine)  # type: ignore[method-assign]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in TOKENS]
     try:
-        out = [o["token_ids"] for _ in range(2) for o in llm.generate(PROMPTS, params, False)]
+        out = [o["token_ids"] for o in llm.generate(PROMPTS, params, False)]
     finally:
         del engine._logits
     return out, log
@@ -113,7 +113,7 @@ def test_prefill_graphs_equal_eager_and_hf(eager: list[list[int]], mode: str) ->
     assert any(e["reqs"] + 1 > 4 and e["tokens"] not in BUCKETS for e in log if not e["graph"])
     # Hugging Face, one prompt at a time, greedy.
     tok = tokenizer(SMOL)
-    for i in (0, 3, 4):
+    for i in (0, 4, 6):
         want = hf_greedy(SMOL, tok(PROMPTS[i])["input_ids"], TOKENS[i])
         assert got[i] == want, PROMPTS[i]
 

@@ -31,7 +31,7 @@ class BaseAttnBackend(ABC):
     devices: tuple[str, ...]  # device types it runs on
     auto_devices: tuple[str, ...] = ()  # where `--attn auto` may pick it
     supports_cuda_graphs: bool = False  # lengths read on the device, graph hooks implemented
-    supports_prefill_graphs: bool = False  # [ch23] and prefill metadata in static buffers too
+    supports_prefill_graphs: bool = False  # prefill metadata in static buffers too  # [ch23]
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:

@@ -31,7 +31,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.models.base import BaseLLMModel
 
 logger = logging.getLogger(__name__)
-DEFAULT_PREFILL_TOKENS = 8192  # [ch23] the scheduler's default prefill budget
+DEFAULT_PREFILL_TOKENS = 8192  # the scheduler's default prefill budget  # [ch23]
 
 
 @dataclass
@@ -151,8 +151,8 @@ class GraphRunner:
         vocab_size: int,
         device: torch.device,
         debug: bool = False,  # run eagerly through the same buffers, padding and metadata
-        prefill_mode: str = "off",  # [ch23] "breakable" or "full" when prefill_shapes are given
-        prefill_shapes: list[tuple[int, int]] | None = None,  # [ch23] (request slots, tokens)
+        prefill_mode: str = "off",  # "breakable" or "full" with prefill_shapes  # [ch23]
+        prefill_shapes: list[tuple[int, int]] | None = None,  # (slots, tokens)  # [ch23]
     ) -> None:
         self.attn_backend, self.dummy_req, self.device = attn_backend, dummy_req, device
         self.graph_bs_list = sorted(bs_list)
@@ -256,7 +256,7 @@ class GraphRunner:
         # >>> ch23
         if batch.is_prefill:
             fits = self._prefill_key(batch) in self.prefill_graph_map
-            fits = fits and batch.logit_rows is None  # [ch25] logits of every prompt token
+            fits = fits and batch.logit_rows is None  # every prompt token's logits  # [ch25]
             return fits
         # <<< ch23
         return batch.is_decode and 0 < batch.size <= self.max_graph_bs

@@ -51,7 +51,8 @@ class AttentionLayer(nn.Module):
         q, k = self.rotary(ctx.batch.positions, q, k)
         return self.attend(q, k, v).reshape(-1, q_size)
 
-    @eager_on_graph  # [ch23] prefill attention plans on the host: it runs between graph segments
+    # Prefill attention plans on the host: in a prefill graph it runs between segments.
+    @eager_on_graph  # [ch23]
     def attend(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:

@@ -59,7 +59,8 @@ class LMHead(nn.Module):
         return self.project(hidden)
 
     # >>> ch04
-    @eager_on_graph  # [ch23] which rows: they move with every prefill, so picked eagerly
+    # Which rows moves with every prefill: in a prefill graph they are picked eagerly.
+    @eager_on_graph  # [ch23]
     def rows_to_project(self, hidden: torch.Tensor) -> torch.Tensor:
         batch = get_global_ctx().batch
         rows = batch.attn_metadata.get_last_indices()
