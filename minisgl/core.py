@@ -169,7 +169,7 @@ class Req:
         self.device_len += 1
 
     def append_host(self, token: int) -> None:
-        if self._len == len(self._ids):
+        if self._len == len(self._ids_np):  # numpy's len is ~5x cheaper than a tensor's
             self._ids = torch.cat([self._ids, torch.empty_like(self._ids)])
             self._ids_np = self._ids.numpy()
         self._ids_np[self._len] = token  # a torch element write costs ~50x more per token
@@ -197,6 +197,8 @@ class Batch:
         self.input_ids: torch.Tensor  # [num_tokens] int32, device
         self.positions: torch.Tensor  # [num_tokens] int32, device
         self.out_loc: torch.Tensor  # [num_tokens] int32, device: KV slot of each new token
+        self.token_dest: torch.Tensor  # [size] int64, device: where each sampled token goes
+        # in the token pool, as a flat index (row * width + position)
         self.attn_metadata: BaseAttnMetadata
         # >>> ch25 prefill: the tokens the LM head projects, when not just each request's last
         self.logit_rows: torch.Tensor | None = None

@@ -38,30 +38,28 @@ def paged_kv_layout(
     each position to its KV slot (page * page_size + offset). The page ids are gathered on
     the device: a batch of long sequences has hundreds of thousands of them.
     """
+    bs, device = len(rows), page_table.device
     pages = [cdiv(n, page_size) for n in seq_lens]
-    indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
-    last_page_len = torch.tensor(
-        [n - (p - 1) * page_size for n, p in zip(seq_lens, pages)], dtype=torch.int32
-    )
-    device, total = page_table.device, int(indptr[-1])
-    if device.type == "cuda":  # plan() copies these into the graph's buffers: asynchronously
-        indptr, last_page_len = indptr.pin_memory(), last_page_len.pin_memory()
-    rows_pages = to_device([rows, pages], device, torch.int64)
-    row_of, pages_of = rows_pages[0], rows_pages[1]
-    # Which request each output entry belongs to, and its page number within that request.
-    owner = torch.repeat_interleave(
-        torch.arange(len(rows), device=device), pages_of, output_size=total
-    )
-    first = torch.cumsum(pages_of, 0) - pages_of
-    page_no = torch.arange(total, device=device) - first[owner]
-    indices = page_table[row_of[owner], page_no * page_size] // page_size
-    return indptr, indices.to(torch.int32), last_page_len
+    indptr = [0, *itertools.accumulate(pages)]
+    last_page_len = [n - (p - 1) * page_size for n, p in zip(seq_lens, pages)]
+    host = torch.tensor(indptr + last_page_len + rows + pages, dtype=torch.int32)
+    if device.type == "cuda":  # plan() copies indptr and last_page_len in: asynchronously
+        host = host.pin_memory()
+    starts, _, row_of, pages_of = host.to(device, non_blocking=True).split([bs + 1, bs, bs, bs])
+    # For each output entry: the row of the request it belongs to, and its page number
+    # within that request.
+    total = indptr[-1]
+    row = torch.repeat_interleave(row_of, pages_of, output_size=total)
+    first = torch.repeat_interleave(starts[:-1], pages_of, output_size=total)
+    page_no = torch.arange(total, device=device, dtype=torch.int32) - first
+    indices = page_table[row, page_no * page_size] // page_size
+    return host[: bs + 1], indices, host[bs + 1 : 2 * bs + 1]
 
 
 @dataclass
 class FlashInferMetadata(BaseAttnMetadata):
     qo_indptr: torch.Tensor  # [bs + 1] int32, device: request i's new tokens are q[qo[i]:qo[i+1]]
-    qo_indptr_host: torch.Tensor
+    qo_indptr_host: torch.Tensor | None  # the same on the host, for a prefill's plan()
     kv_indptr: torch.Tensor  # [bs + 1] int32, host
     kv_indices: torch.Tensor  # [pages] int32, device
     kv_last_page_len: torch.Tensor  # [bs] int32, host
@@ -146,8 +144,14 @@ class FlashInferBackend(BaseAttnBackend):
 
     def _metadata(self, batch: Batch) -> FlashInferMetadata:
         reqs = batch.padded_reqs
-        qo_host = torch.tensor([0, *itertools.accumulate(r.extend_len for r in reqs)])
-        qo_host = qo_host.to(torch.int32)
+        if batch.is_decode:  # one new token each: 0, 1, ..., bs, made on the device
+            qo_host = None  # only a prefill's plan() reads it
+            qo = torch.arange(len(reqs) + 1, dtype=torch.int32, device=self.device)
+        else:
+            qo_host = torch.tensor(
+                [0, *itertools.accumulate(r.extend_len for r in reqs)], dtype=torch.int32
+            )
+            qo = to_device(qo_host, self.device)
         kv_indptr, kv_indices, last_page_len = paged_kv_layout(
             [r.device_len for r in reqs],
             [r.table_idx for r in reqs],
@@ -155,7 +159,7 @@ class FlashInferBackend(BaseAttnBackend):
             self.kv_cache.page_size,
         )
         return FlashInferMetadata(
-            qo_indptr=to_device(qo_host, self.device),
+            qo_indptr=qo,
             qo_indptr_host=qo_host,
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,

@@ -7,6 +7,7 @@ that accounts for the cached prefix.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,14 +60,16 @@ class TorchAttnBackend(BaseAttnBackend):
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
-        device = self.page_table.device
         extend_lens = [req.extend_len for req in reqs]
         seq_lens = [req.device_len for req in reqs]
-        cu_seqlens_q = torch.tensor([0, *extend_lens], dtype=torch.int32).cumsum(0)
-        rows = torch.tensor([req.table_idx for req in reqs], dtype=torch.int64, device=device)
+        host = [0, *itertools.accumulate(extend_lens), *seq_lens, *(r.table_idx for r in reqs)]
+        n = len(reqs)
+        cu_seqlens_q, cache_seqlens, rows = to_device(
+            host, self.page_table.device, torch.int32
+        ).split([n + 1, n, n])  # one copy for all three
         batch.attn_metadata = TorchAttnMetadata(
-            cu_seqlens_q=to_device(cu_seqlens_q, device, torch.int32),
-            cache_seqlens=to_device(seq_lens, device, torch.int32),
+            cu_seqlens_q=cu_seqlens_q,
+            cache_seqlens=cache_seqlens,
             page_table=self.page_table[rows, : max(seq_lens)],
             max_seqlen_q=max(extend_lens),
         )

@@ -69,7 +69,7 @@ class StepLogits:
     reqs: list[Req]
     sampling: BatchSamplingArgs
     penalties: Penalties | None
-    where: torch.Tensor  # [2, bs]: the token-pool row and column of each sampled token
+    where: torch.Tensor  # [bs] int64: each sampled token's place in the token pool (flat)
     # >>> ch25
     bias: LogitBias | None = None
     prompt_logprobs: Logprobs | None = None
@@ -159,16 +159,26 @@ class Engine:
         )
 
     def prepare_batch(self, batch: Batch) -> None:
-        """Gather the batch's input ids, positions and KV slots, and its attention metadata."""
+        """Gather the batch's input ids, positions and KV slots, and its attention metadata,
+        and find where each request's sampled token will go in the token pool."""
         self.graph_runner.pad_batch(batch)  # [ch18]
         reqs = batch.padded_reqs
-        rows = [r.table_idx for r in reqs for _ in range(r.extend_len)]
+        # The token pool and the page table have one shape, so one flat index (row * width
+        # + position) finds a token's place in both; `take` gathers by it in one cheap op.
+        width = self.token_pool.size(1)
+        places = [r.table_idx * width + p for r in reqs for p in range(r.cached_len, r.device_len)]
         positions = [p for r in reqs for p in range(r.cached_len, r.device_len)]
-        rows_pos = to_device([rows, positions], self.device, torch.int64)  # one copy for both
-        rows_d, positions_d = rows_pos[0], rows_pos[1]
+        # A request whose forward covers every token it has is done with its prompt: its
+        # token goes to the next place in its row. A chunk's token is moot: the dummy row's.
+        dummy = self.dummy_req.table_idx * width
+        dest = [dummy if r.mid_prompt else r.table_idx * width + r.device_len for r in batch.reqs]
+        n = len(places)
+        places_d, positions_d, batch.token_dest = to_device(
+            places + positions + dest, self.device, torch.int64
+        ).split([n, n, batch.size])  # one copy for all three
         batch.positions = positions_d.to(torch.int32)
-        batch.input_ids = self.token_pool[rows_d, positions_d]
-        batch.out_loc = self.page_table[rows_d, positions_d]
+        batch.input_ids = self.token_pool.take(places_d)
+        batch.out_loc = self.page_table.take(places_d)
         self.attn_backend.prepare_metadata(batch)
 
     def forward_batch(self, batch: Batch) -> ForwardOutput:
@@ -187,17 +197,12 @@ class Engine:
         plan = plan_prompt_logprobs(batch, self.device) if batch.is_prefill else None  # [ch25]
         with self.ctx.forward_batch(batch):
             logits = self._logits(batch)
-        # A request whose forward covered every token it has is done with its prompt.
-        dummy_row = self.dummy_req.table_idx
-        rows, cols = zip(
-            *[(dummy_row, 0) if r.mid_prompt else (r.table_idx, r.device_len) for r in reqs]
-        )
         step = StepLogits(
             logits,
             reqs,
             prepare_sampling(reqs, vocab, self.device),
             gather_penalties(reqs, self.token_pool, vocab),
-            to_device([rows, cols], self.device, torch.int64),
+            batch.token_dest,
         )
         # >>> ch25
         if plan is not None:
@@ -224,7 +229,7 @@ class Engine:
             logits = apply_token_mask(logits, step.token_mask)
         # <<< ch25
         next_tokens = sample(logits, step.sampling)
-        self.token_pool[step.where[0], step.where[1]] = next_tokens
+        self.token_pool.put_(step.where, next_tokens)
         out = ForwardOutput(next_tokens, to_host(next_tokens), None, None)
         if logprobs is not None:
             out.logprobs_cpu = to_host(logprobs.gather(1, next_tokens.long()[:, None])[:, 0])

@@ -29,12 +29,15 @@ def gather_penalties(reqs: list[Req], token_pool: torch.Tensor, vocab: int) -> P
     if not any(p.has_penalties for p in params):
         return None
     device = token_pool.device
-
-    def column(values: list[float]) -> torch.Tensor:
-        return to_device(values, device, torch.float32)[:, None]
-
-    lengths = column([req.device_len for req in reqs])
-    prompt_lens = column([req.prompt_len for req in reqs])
+    columns = [
+        [req.device_len for req in reqs],
+        [req.prompt_len for req in reqs],
+        [p.presence_penalty for p in params],
+        [p.frequency_penalty for p in params],
+        [p.repetition_penalty for p in params],
+    ]
+    host = to_device(columns, device, torch.float32)[:, :, None]  # one copy for the five
+    lengths, prompt_lens, presence, frequency, repetition = host
     rows = to_device([req.table_idx for req in reqs], device, torch.int64)
     width = max(req.device_len for req in reqs)
     tokens = token_pool[rows, :width].long()  # every token so far, prompt first
@@ -43,9 +46,9 @@ def gather_penalties(reqs: list[Req], token_pool: torch.Tensor, vocab: int) -> P
     generated = known & (pos >= prompt_lens)
     zeros = torch.zeros(len(reqs), vocab, device=device)
     return Penalties(
-        presence=column([p.presence_penalty for p in params]),
-        frequency=column([p.frequency_penalty for p in params]),
-        repetition=column([p.repetition_penalty for p in params]),
+        presence=presence,
+        frequency=frequency,
+        repetition=repetition,
         output_counts=zeros.scatter_add(1, tokens, generated.float()),
         seen=zeros.scatter_add(1, tokens, known.float()) > 0,
     )

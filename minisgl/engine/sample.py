@@ -21,34 +21,38 @@ _MASK32 = 0xFFFFFFFF
 
 @dataclass
 class BatchSamplingArgs:
-    greedy: bool  # every request is greedy: argmax only, skip the rest
-    temperatures: torch.Tensor  # [bs, 1] fp32; greedy rows hold 1 (their tokens come from argmax)
-    is_greedy: torch.Tensor  # [bs] bool
-    top_k: torch.Tensor | None  # [bs] int64 (vocab size = no limit), None when no request limits
-    top_p: torch.Tensor | None  # [bs] fp32, None when every request has top_p == 1
-    seeds: torch.Tensor  # [bs] int64
-    positions: torch.Tensor  # [bs] int64: index of the token being drawn, part of the hash key
+    greedy: bool  # every request is greedy: argmax only, and none of the tensors below
+    temperatures: torch.Tensor | None = None  # [bs, 1] fp32; greedy rows hold 1 (argmax's)
+    is_greedy: torch.Tensor | None = None  # [bs] bool
+    top_k: torch.Tensor | None = None  # [bs] int64 (vocab size = no limit), None: no limits
+    top_p: torch.Tensor | None = None  # [bs] fp32, None when every request has top_p == 1
+    seeds: torch.Tensor | None = None  # [bs] int64
+    positions: torch.Tensor | None = None  # [bs] int64: index of the token being drawn
 
 
 def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> BatchSamplingArgs:
     params = [req.sampling_params for req in reqs]
     is_greedy = [p.is_greedy for p in params]
-
-    def put(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(values, device, dtype)
-
+    if all(is_greedy):
+        return BatchSamplingArgs(greedy=True)  # argmax needs nothing from the host
     top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
     top_ps = [p.top_p for p in params]
+    temperatures = [1.0 if g else p.temperature for g, p in zip(is_greedy, params)]
+    # Two copies: the floats, and the integers (a seed needs all 64 bits).
+    floats = to_device([temperatures, top_ps], device, torch.float32)
+    ints = to_device(
+        [is_greedy, top_ks, [req.seed for req in reqs], [req.device_len for req in reqs]],
+        device,
+        torch.int64,
+    )
     return BatchSamplingArgs(
-        greedy=all(is_greedy),
-        temperatures=put(
-            [1.0 if g else p.temperature for g, p in zip(is_greedy, params)], torch.float32
-        )[:, None],
-        is_greedy=put(is_greedy, torch.bool),
-        top_k=put(top_ks, torch.int64) if any(k < vocab_size for k in top_ks) else None,
-        top_p=put(top_ps, torch.float32) if any(p < 1.0 for p in top_ps) else None,
-        seeds=put([req.seed for req in reqs], torch.int64),
-        positions=put([req.device_len for req in reqs], torch.int64),
+        greedy=False,
+        temperatures=floats[0, :, None],
+        is_greedy=ints[0].bool(),
+        top_k=ints[1] if any(k < vocab_size for k in top_ks) else None,
+        top_p=floats[1] if any(p < 1.0 for p in top_ps) else None,
+        seeds=ints[2],
+        positions=ints[3],
     )
 
 

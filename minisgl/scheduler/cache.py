@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.core import Req
-from minisgl.kvcache.allocator import PageAllocator, page_slots
+from minisgl.kvcache.allocator import PageAllocator
 from minisgl.kvcache.base import BasePrefixCache, MatchResult
 from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.radix_cache import RadixCache  # [ch11]
@@ -55,21 +55,24 @@ class CacheManager:
     def allocate(self, reqs: list[Req]) -> None:
         """Give each request pages for positions [alloc_len, device_len); the caller checked
         availability. One eviction and one device write for the whole batch."""
+        ps, width = self.page_size, self.page_table.size(1)
         needs = [self.pages_needed(req, req.device_len) for req in reqs]
         total = sum(needs)
         if total == 0:
             return
         self._evict_for(total)
-        slots = page_slots(self.allocator.alloc(total), self.page_size)
-        rows, cols = [], []
+        places = []  # of each new page's first token in the table, flat: row * width + column
         for req, n in zip(reqs, needs):
-            rows += [req.table_idx] * (n * self.page_size)
-            cols += range(req.alloc_len, req.alloc_len + n * self.page_size)
-            req.alloc_len += n * self.page_size
-        where = torch.tensor([rows, cols])
-        self.host_table[where[0], where[1]] = slots
-        where = to_device(torch.cat([where, slots[None].long()]), self.page_table.device)
-        self.page_table[where[0], where[1]] = where[2].to(self.page_table.dtype)
+            start = req.table_idx * width + req.alloc_len
+            places += range(start, start + n * ps, ps)
+            req.alloc_len += n * ps
+        slots = [page * ps for page in self.allocator.alloc(total)]
+        where = torch.tensor([places, slots])
+        if ps > 1:  # along a page, place and slot both go up by one per token
+            where = (where[:, :, None] + torch.arange(ps)).flatten(1)
+        self.host_table.put_(where[0], where[1].to(torch.int32))
+        where = to_device(where, self.page_table.device)
+        self.page_table.put_(where[0], where[1].to(torch.int32))
 
     def cache_req(self, req: Req, finished: bool) -> None:
         """Move the request's computed, page-aligned prefix into the cache.
