@@ -7,7 +7,19 @@ what the CPU tests of our kernels need.
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def serial():
+    """Overlap scheduling off for one test: its forwards run one after another, in order."""
+    from minisgl.env import ENV
+
+    saved = ENV.DISABLE_OVERLAP_SCHEDULING.value
+    ENV.DISABLE_OVERLAP_SCHEDULING.value = True
+    yield
+    ENV.DISABLE_OVERLAP_SCHEDULING.value = saved

@@ -13,7 +13,6 @@ from helpers import ROOT, SMOL, need
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch, SamplingParams
 from minisgl.engine.graph import GraphCaptureBuffer, graph_batch_sizes
-from minisgl.env import ENV
 from minisgl.llm import LLM
 
 PROMPTS = [
@@ -37,12 +36,7 @@ KW = dict(
 TOKENS = 6
 
 
-@pytest.fixture(autouse=True)
-def serial():
-    saved = ENV.DISABLE_OVERLAP_SCHEDULING.value
-    ENV.DISABLE_OVERLAP_SCHEDULING.value = True
-    yield
-    ENV.DISABLE_OVERLAP_SCHEDULING.value = saved
+pytestmark = pytest.mark.usefixtures("serial")  # from conftest.py
 
 
 def run(llm: LLM, prompts: list[str]) -> tuple[list[list[int]], list[str]]:

@@ -11,7 +11,6 @@ from minisgl.core import Batch, SamplingParams
 from minisgl.engine.breakable import BoundaryBuffers
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import prefill_slots, prefill_token_buckets
-from minisgl.env import ENV
 from minisgl.llm import LLM
 
 # Two families of prompts sharing long prefixes (later ones hit the radix cache),
@@ -41,12 +40,7 @@ KW = dict(
 BUCKETS = [8, 16, 32]
 
 
-@pytest.fixture(autouse=True)
-def serial():
-    saved = ENV.DISABLE_OVERLAP_SCHEDULING.value
-    ENV.DISABLE_OVERLAP_SCHEDULING.value = True
-    yield
-    ENV.DISABLE_OVERLAP_SCHEDULING.value = saved
+pytestmark = pytest.mark.usefixtures("serial")  # from conftest.py
 
 
 def run(llm: LLM) -> tuple[list[list[int]], list[dict]]:
