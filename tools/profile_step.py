@@ -1,0 +1,207 @@
+"""Where a decode step's time goes: a torch-profiler trace of steady decode steps.
+
+    python tools/profile_step.py --model /root/q06                     # batch 1, graphs on
+    python tools/profile_step.py --model /root/q8 --tp-size 2 --trace q8_tp2.json
+    python tools/profile_step.py --model models/SmolLM2-135M-Instruct --device cpu --steps 8
+
+The engine runs as the server runs it (overlap scheduling, CUDA graphs up to the batch
+size). The profiler starts once every request of the batch is decoding and stops after
+`--steps` scheduler steps, so neither the prefill nor start-up is in the figures. It
+prints, per decode step:
+
+- wall time, the device's kernel time and their ratio (busy): below 100% the device
+  waited for the host;
+- kernels and graph replays: a graph replay launches hundreds of kernels for the price of
+  one call on the host;
+- communication kernels (NCCL all-reduce / all-gather) with tensor parallelism, and their
+  share of the device time;
+- the weights one rank reads per step against the time the memory needs to move them
+  (`--bandwidth`, GB/s): at batch 1 a step can be no faster than that floor;
+
+then the kernels and the host operations that take the most time. `--trace` writes the
+timeline for chrome://tracing or Perfetto. With `--tp-size N` the figures are rank 0's:
+its communication kernels include the time spent waiting for the other ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def weight_bytes(path: str, itemsize: int) -> int:
+    """Bytes of all weights in the folder's safetensors files, at `itemsize` per value."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    return total * itemsize
+
+
+def is_comm(name: str) -> bool:
+    name = name.lower()
+    return "nccl" in name or "allreduce" in name or "all_reduce" in name or "allgather" in name
+
+
+def profile_steps(llm: object, args: argparse.Namespace) -> tuple[profile, float, int]:
+    """Profile `args.steps` steady decode steps; returns the profiler, wall seconds, steps."""
+    from minisgl.core import SamplingParams
+
+    sched = llm.scheduler  # type: ignore[attr-defined]
+    cuda = args.device.startswith("cuda")
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    state = {"steady": 0, "profiled": 0, "start": 0.0, "wall": 0.0}
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def step() -> list:
+        steady = not sched.prefill.has_work and len(sched.decode.running) == args.batch_size
+        if steady and state["profiled"] == 0 and state["wall"] == 0.0:
+            state["steady"] += 1
+            if state["steady"] == 3:  # two steady steps first: the overlap is under way
+                sync()
+                prof.start()
+                state["start"] = time.perf_counter()
+        out = type(sched).step(sched)
+        if state["start"] and not state["wall"]:
+            state["profiled"] += 1
+            if state["profiled"] == args.steps or not steady:
+                sync()
+                state["wall"] = time.perf_counter() - state["start"]
+                prof.stop()
+        return out
+
+    rng = random.Random(args.seed)
+    vocab = llm.engine.model_config.vocab_size  # type: ignore[attr-defined]
+    prompts = [
+        [rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)
+    ]
+    params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]  # warm-up
+    sched.step = step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
+    finally:
+        del sched.step
+    if not state["wall"]:
+        raise SystemExit("the batch never decoded steadily: raise --steps or check the engine")
+    return prof, state["wall"], state["profiled"]
+
+
+def report(prof: profile, wall: float, steps: int, args: argparse.Namespace) -> dict:
+    events = prof.key_averages()
+    device = [e for e in events if e.device_type.name == "CUDA"]
+    host = [e for e in events if e.device_type.name == "CPU"]
+    kernel_us = sum(e.self_device_time_total for e in device)
+    comm_us = sum(e.self_device_time_total for e in device if is_comm(e.key))
+    step_ms = wall / steps * 1e3
+    replays = sum(e.count for e in host if e.key == "cudaGraphLaunch")
+    kernels = sum(e.count for e in device if not e.key.startswith("Memcpy"))
+    per_rank = weight_bytes(args.model, torch.finfo(getattr(torch, args.dtype)).bits // 8)
+    per_rank /= args.tp_size
+    floor_ms = per_rank / (args.bandwidth * 1e9) * 1e3
+    out = {
+        "steps": steps,
+        "batch_size": args.batch_size,
+        "tp_size": args.tp_size,
+        "step_ms": step_ms,
+        "device_ms_per_step": kernel_us / 1e3 / steps,
+        "busy": kernel_us / 1e3 / (wall * 1e3),
+        "kernels_per_step": kernels / steps,
+        "graph_replays_per_step": replays / steps,
+        "comm_ms_per_step": comm_us / 1e3 / steps,
+        "weights_gb_per_rank": per_rank / 1e9,
+        "bandwidth_floor_ms": floor_ms,
+    }
+    a = args
+    print(f"{steps} decode steps at batch {a.batch_size}, tp {a.tp_size}, {a.dtype} on {a.device}")
+    print(f"  wall per step             {step_ms:8.3f} ms")
+    if device:
+        dev_ms, busy = out["device_ms_per_step"], out["busy"]
+        print(f"  device kernels per step   {dev_ms:8.3f} ms  (busy {busy:.0%})")
+        print(f"  kernels per step          {out['kernels_per_step']:8.1f}")
+        print(f"  graph replays per step    {out['graph_replays_per_step']:8.2f}")
+        if args.tp_size > 1:
+            share = comm_us / max(kernel_us, 1)
+            comm_ms = out["comm_ms_per_step"]
+            print(f"  communication per step    {comm_ms:8.3f} ms  ({share:.0%} of device time)")
+        print(
+            f"  weights read per step     {per_rank / 1e9:8.2f} GB per rank: {floor_ms:.3f} ms at "
+            f"{args.bandwidth:g} GB/s ({floor_ms / step_ms:.0%} of the step)"
+        )
+        print("top kernels (device time per step, launches per step, mean):")
+        for e in sorted(device, key=lambda e: -e.self_device_time_total)[: args.top]:
+            total, mean = e.self_device_time_total, e.self_device_time_total / max(e.count, 1)
+            per_step = f"{total / 1e3 / steps:8.3f} ms {e.count / steps:6.1f}x {mean:8.2f} us"
+            print(f"  {per_step}  {e.key[:90]}")
+    print("top host operations (self time per step, calls per step):")
+    for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[: args.top]:
+        per_step = f"{e.self_cpu_time_total / 1e3 / steps:8.3f} ms {e.count / steps:6.1f}x"
+        print(f"  {per_step}  {e.key[:90]}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["bfloat16", "float16", "float32"],
+        help="default: bfloat16 on GPU, float32 on CPU",
+    )
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=64, help="decode steps profiled")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--attn", default="auto", help="attention backend (--attn of the server)")
+    p.add_argument(
+        "--bandwidth", type=float, default=4300.0, help="memory GB/s for the floor (H200: ~4300)"
+    )
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace", help="write the profiler timeline (Chrome trace JSON) here")
+    p.add_argument("--output-json")
+    args = p.parse_args()
+    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+
+    from minisgl.llm import LLM
+
+    tokens = args.input_len + args.steps + 16
+    llm = LLM(
+        args.model,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        max_running_req=args.batch_size,
+        num_page_override=args.batch_size * tokens,
+        max_seq_len_override=tokens,
+        cuda_graph_max_bs=args.batch_size,
+        attention_backend=args.attn,
+        tp_size=args.tp_size,
+    )
+    try:
+        prof, wall, steps = profile_steps(llm, args)
+        out = report(prof, wall, steps, args)
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+            print(f"trace: {args.trace}")
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(out, indent=1))
+    finally:
+        llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
