@@ -1,0 +1,85 @@
+"""Chapter 24's helpers on synthetic data: /metrics as prometheus-client writes it, a
+histogram's quantile read from its buckets, the area under a sampled gauge, Little's law."""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("ch24", ROOT / "examples/ch24_measuring.py")
+ch24 = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ch24)  # the example runs nothing on import
+
+
+def registry() -> tuple[CollectorRegistry, Counter, Gauge, Histogram]:
+    r = CollectorRegistry()
+    counter = Counter("minisgl:requests", "Requests.", registry=r)
+    gauge = Gauge("minisgl:num_requests_running", "Running.", registry=r)
+    hist = Histogram("minisgl:ttft_seconds", "TTFT.", buckets=(0.1, 1.0, 10.0), registry=r)
+    return r, counter, gauge, hist
+
+
+def test_parse_metrics_reads_counters_gauges_and_buckets():
+    r, counter, gauge, hist = registry()
+    counter.inc(3)
+    gauge.set(7)
+    for v in [0.05] * 50 + [0.5] * 49 + [5.0]:
+        hist.observe(v)
+    m = ch24.parse_metrics(generate_latest(r).decode())
+    assert m["minisgl:requests_total"] == 3
+    assert m["minisgl:num_requests_running"] == 7
+    assert m["minisgl:ttft_seconds_count"] == 100
+    assert m["minisgl:ttft_seconds_sum"] == pytest.approx(0.05 * 50 + 0.5 * 49 + 5.0)
+    assert m['minisgl:ttft_seconds_bucket{le="1.0"}'] == 99
+    assert m['minisgl:ttft_seconds_bucket{le="+Inf"}'] == 100
+
+
+def test_histogram_quantile_between_two_scrapes():
+    r, _, _, hist = registry()
+    for _ in range(10):
+        hist.observe(20.0)  # before the window: past the last finite bucket
+    before = ch24.parse_metrics(generate_latest(r).decode())
+    for v in [0.05] * 50 + [0.5] * 49 + [5.0]:
+        hist.observe(v)
+    after = ch24.parse_metrics(generate_latest(r).decode())
+    q = ch24.histogram_quantile
+    assert q(before, after, "minisgl:ttft_seconds", 0.5) == pytest.approx(0.1)
+    assert q(before, after, "minisgl:ttft_seconds", 0.99) == pytest.approx(1.0)
+    assert q(before, after, "minisgl:ttft_seconds", 0.995) == pytest.approx(5.5)  # half of 1..10
+    assert q({}, after, "minisgl:ttft_seconds", 0.99) == pytest.approx(10.0)  # the 10 count now
+
+
+def test_area_holds_each_value_until_the_next_sample():
+    assert ch24.area([(0.0, 1.0), (1.0, 3.0), (3.0, 0.0), (4.0, 2.0)]) == pytest.approx(7.0)
+    assert ch24.area([(5.0, 4.0)]) == 0.0
+
+
+def test_littles_law_holds_on_a_simulated_queue():
+    # One server, first come first served, Poisson arrivals: the textbook queue.
+    rng, now, free = random.Random(0), 0.0, 0.0
+    spans = []
+    for _ in range(200):
+        now += rng.expovariate(2.0)
+        free = max(free, now) + rng.uniform(0.1, 0.6)
+        spans.append((now, free))
+    events = sorted([(a, 1) for a, _ in spans] + [(d, -1) for _, d in spans])
+    points, n = [], 0
+    for t, step in events:  # the gauge, sampled at every change
+        n += step
+        points.append((t, float(n)))
+    times = [d - a for a, d in spans]
+    result = {
+        "duration_s": spans[-1][1] - spans[0][0],
+        "completed": len(spans),
+        "e2e_ms": {"mean": sum(times) / len(times) * 1000},
+    }
+    law = ch24.littles_law(result, ch24.area(points), sum(times))
+    assert law["lambda"] == pytest.approx(200 / result["duration_s"])
+    assert law["L_gauges"] == pytest.approx(law["lambda_W"])
+    assert law["L_histogram"] == pytest.approx(law["lambda_W"])
+    assert law["lambda_W"] > 1.0  # a queue formed: the check is not about an empty server
