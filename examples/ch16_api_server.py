@@ -143,7 +143,7 @@ try:
     print(f"\nread one event of a 400-token stream, then hung up: {first[:60]!r}...")
     t0 = time.perf_counter()
     while (
-        running := metric(base, "minisgl_num_requests_running")
+        running := metric(base, "minisgl:num_requests_running")
     ) and time.perf_counter() - t0 < 20:
         time.sleep(0.2)
     print(f"  requests running {time.perf_counter() - t0:.1f}s later: {running:.0f}")
@@ -155,11 +155,11 @@ try:
     for line in get(f"{base}/metrics")[1].splitlines():
         if line.startswith(
             (
-                "minisgl_requests_total",
-                "minisgl_failed_requests_total",
-                "minisgl_generation_tokens_total",
-                "minisgl_kv_pages_total",
-                "minisgl_time_to_first_token_seconds_count",
+                "minisgl:requests_total",
+                "minisgl:failed_requests_total",
+                "minisgl:generation_tokens_total",
+                "minisgl:kv_pages_capacity",
+                "minisgl:time_to_first_token_seconds_count",
             )
         ):
             print("  " + line)

@@ -24,7 +24,7 @@ class EnvVar(Generic[T]):
         raw = os.environ.get(f"MINISGL_{name}")
         if raw is None:
             return cls(name, default, default)
-        if isinstance(default, bool):
+        if isinstance(default, bool) or default is None:  # None: a flag left to the code
             if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
                 raise ValueError(f"MINISGL_{name}={raw!r} is not a boolean (use 1 or 0)")
             return cls(name, default, raw.lower() in ("1", "true", "yes", "on"))  # type: ignore[arg-type]
@@ -44,8 +44,10 @@ class _Env:
         # KV cache budget on CPU, in MiB, when no page count is given.
         self.CPU_KV_CACHE_MB = EnvVar.read("CPU_KV_CACHE_MB", 512)
         # >>> ch12
-        # Process each batch's results before launching the next (easier to debug, slower).
-        self.DISABLE_OVERLAP_SCHEDULING = EnvVar.read("DISABLE_OVERLAP_SCHEDULING", False)
+        # 1: process each batch's results before launching the next (easier to debug; on a
+        # GPU slower). 0: overlap, also on CPU. Unset (None): overlap where the device runs
+        # apart from the host (CUDA), not on CPU, where the forward runs on the host itself.
+        self.DISABLE_OVERLAP_SCHEDULING = EnvVar.read("DISABLE_OVERLAP_SCHEDULING", None)
         # <<< ch12
         # Use FlashInfer's fused norm / activation / rotary kernels on CUDA when installed.
         self.FUSED_KERNELS = EnvVar.read("FUSED_KERNELS", True)  # [ch19]

@@ -259,7 +259,7 @@ def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout
     while True:
         m = metrics(server)
-        idle = m["minisgl_num_requests_running"] == 0 and m["minisgl_kv_pages_in_use"] == 0
+        idle = m["minisgl:num_requests_running"] == 0 and m["minisgl:kv_pages_used"] == 0
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.25)
@@ -1006,8 +1006,8 @@ def test_fuzz_hostile_requests_get_openai_errors(server, llm):
             if case.name == "too-long":
                 assert err["code"] == "context_length_exceeded", err
     after = metrics(server)
-    assert after["minisgl_failed_requests_total"] - before["minisgl_failed_requests_total"] == 50
-    assert after["minisgl_requests_total"] == before["minisgl_requests_total"], "one got through"
+    assert after["minisgl:failed_requests_total"] - before["minisgl:failed_requests_total"] == 50
+    assert after["minisgl:requests_total"] == before["minisgl:requests_total"], "one got through"
     # The server still answers, and correctly.
     assert httpx.get(server.base + "/health").status_code == 200
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0}
@@ -1057,9 +1057,9 @@ def test_disconnected_streams_free_their_pages(server, client, llm):
         assert [f.result() for f in dropped] == [2] * 4
         assert [f.result() for f in finished] == [r["text"] for r in refs]
     m = wait_idle(server)
-    assert m["minisgl_num_requests_running"] == 0, m
-    assert m["minisgl_kv_pages_in_use"] == 0, m
-    assert m["minisgl_num_requests_waiting"] == 0, m
+    assert m["minisgl:num_requests_running"] == 0, m
+    assert m["minisgl:kv_pages_used"] == 0, m
+    assert m["minisgl:num_requests_waiting"] == 0, m
     assert httpx.get(server.base + "/health").status_code == 200
 
 
@@ -1088,8 +1088,8 @@ def test_metrics_are_prometheus_text(server, client, tok):
     for _ in range(2):  # the second run finds the prompt in the prefix cache
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
     deadline = time.monotonic() + 10
-    while (after := metrics(server))["minisgl_cached_tokens_total"] == before[
-        "minisgl_cached_tokens_total"
+    while (after := metrics(server))["minisgl:cached_tokens_total"] == before[
+        "minisgl:cached_tokens_total"
     ] and time.monotonic() < deadline:
         time.sleep(0.2)
 
@@ -1103,27 +1103,31 @@ def test_metrics_are_prometheus_text(server, client, tok):
         elif not line.startswith("# HELP "):
             assert SAMPLE.match(line), line
     expected = {
-        "minisgl_requests_total": "counter",
-        "minisgl_prompt_tokens_total": "counter",
-        "minisgl_generation_tokens_total": "counter",
-        "minisgl_cached_tokens_total": "counter",
-        "minisgl_num_requests_running": "gauge",
-        "minisgl_num_requests_waiting": "gauge",
-        "minisgl_kv_pages_in_use": "gauge",
-        "minisgl_time_to_first_token_seconds": "histogram",
-        "minisgl_time_per_output_token_seconds": "histogram",
+        "minisgl:requests_total": "counter",
+        "minisgl:prompt_tokens_total": "counter",
+        "minisgl:generation_tokens_total": "counter",
+        "minisgl:cached_tokens_total": "counter",
+        "minisgl:num_requests_running": "gauge",
+        "minisgl:num_requests_waiting": "gauge",
+        "minisgl:kv_pages_used": "gauge",
+        "minisgl:kv_pages_capacity": "gauge",
+        "minisgl:preemptions_total": "counter",
+        "minisgl:time_to_first_token_seconds": "histogram",
+        "minisgl:time_per_output_token_seconds": "histogram",
+        "minisgl:e2e_request_latency_seconds": "histogram",
     }
     assert expected.items() <= types.items(), types
 
     def grew(name: str) -> float:
         return after[name] - before[name]
 
-    assert grew("minisgl_requests_total") == 2
-    assert grew("minisgl_prompt_tokens_total") == 2 * len(tok.encode(PROMPT))
-    assert grew("minisgl_generation_tokens_total") == 4
-    assert grew("minisgl_cached_tokens_total") > 0
-    for hist in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
-        name = f"minisgl_{hist}"
+    assert grew("minisgl:requests_total") == 2
+    assert grew("minisgl:prompt_tokens_total") == 2 * len(tok.encode(PROMPT))
+    assert grew("minisgl:generation_tokens_total") == 4
+    assert grew("minisgl:cached_tokens_total") > 0
+    hists = ("time_to_first_token_seconds", "time_per_output_token_seconds")
+    for hist in (*hists, "e2e_request_latency_seconds"):
+        name = f"minisgl:{hist}"
         assert grew(f"{name}_count") == 2
         assert after[f"{name}_sum"] > before[f"{name}_sum"]
         buckets = [v for k, v in after.items() if k.startswith(f"{name}_bucket")]
@@ -1153,9 +1157,9 @@ def spares(tmp_path_factory) -> Iterator[list[Server]]:
 def test_metrics_from_start_up(spares):
     """Before any request, /metrics already knows the size of the KV pool."""
     m = metrics(spares[0])
-    assert m["minisgl_requests_total"] == 0, m
-    assert m["minisgl_kv_pages_total"] == 256, m  # --num-pages 256
-    assert m["minisgl_kv_pages_in_use"] == 0, m
+    assert m["minisgl:requests_total"] == 0, m
+    assert m["minisgl:kv_pages_capacity"] == 256, m  # --num-pages 256
+    assert m["minisgl:kv_pages_used"] == 0, m
 
 
 def check_stops(server: Server, send: Any) -> None:

@@ -54,14 +54,15 @@ def test_bench_serving_agrees_with_server_metrics(server: Server, tmp_path: Path
     after = wait_idle(server)
     grew = {k: after[k] - before[k] for k in after if k.endswith(("_total", "_count", "_sum"))}
     assert (r["completed"], r["failed"]) == (8, 0), r["errors"]
-    assert grew["minisgl_requests_total"] == r["completed"]
-    assert grew["minisgl_prompt_tokens_total"] == r["input_tokens"]
-    assert grew["minisgl_generation_tokens_total"] == r["output_tokens"]
+    assert grew["minisgl:requests_total"] == r["completed"]
+    assert grew["minisgl:prompt_tokens_total"] == r["input_tokens"]
+    assert grew["minisgl:generation_tokens_total"] == r["output_tokens"]
     # Lengths are 6 +- 50%, EOS ignored: every request produced 3 to 9 tokens.
     assert 8 * 3 <= r["output_tokens"] <= 8 * 9
-    assert grew["minisgl_time_to_first_token_seconds_count"] == r["completed"]
+    assert grew["minisgl:time_to_first_token_seconds_count"] == r["completed"]
+    assert grew["minisgl:e2e_request_latency_seconds_count"] == r["completed"]
     # The client's TTFT holds the server's (which starts once the prompt is tokenized).
-    server_ttft = grew["minisgl_time_to_first_token_seconds_sum"] / r["completed"]
+    server_ttft = grew["minisgl:time_to_first_token_seconds_sum"] / r["completed"]
     assert r["ttft_ms"]["mean"] / 1000 >= server_ttft - 1e-3
     assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] <= r["e2e_ms"]["p99"]
     assert "TTFT" in done.stdout and "output tok/s" in done.stdout  # the table, for a person
@@ -87,7 +88,7 @@ def test_soak_two_minutes(server: Server, tmp_path: Path) -> None:
     assert report["idle_after"] == {
         "num_requests_running": 0,
         "num_requests_waiting": 0,
-        "kv_pages_in_use": 0,
+        "kv_pages_used": 0,
     }
     assert report["rss_start_mib"] > 100  # the model's weights, at least: we measured the server
-    assert metrics(server)["minisgl_num_requests_running"] == 0
+    assert metrics(server)["minisgl:num_requests_running"] == 0

@@ -243,7 +243,7 @@ class Soak:
 
 # ---- reading answers, metrics and memory --------------------------------------------------
 
-IDLE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_pages_in_use")
+IDLE_GAUGES = ("num_requests_running", "num_requests_waiting", "kv_pages_used")
 
 
 def answer_text(out: dict[str, Any], chat: bool) -> str:
@@ -257,7 +257,7 @@ def gauges(text: str) -> dict[str, float]:
     for line in text.splitlines():
         if line and not line.startswith("#") and "{" not in line:
             name, value = line.rsplit(" ", 1)
-            out[name.split(":")[-1].removeprefix("minisgl_")] = float(value)
+            out[name.split(":")[-1]] = float(value)
     return out
 
 

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
     from minisgl.kvcache.mha_pool import MHAKVCache
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] for slot ids of any shape: one row copy per slot. `index_select` on the
+    flattened ids is the same gather as advanced indexing, several times faster on CPU."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 @dataclass
 class TorchAttnMetadata(BaseAttnMetadata):
     cu_seqlens_q: torch.Tensor  # [bs + 1] int32: request i's new tokens are q[cu[i]:cu[i+1]]
@@ -93,8 +99,8 @@ class TorchAttnBackend(BaseAttnBackend):
         # so the whole batch is one attention call.
         max_len = int(md.cache_seqlens.max().item())  # a host read: why graphs need other backends
         slots = md.page_table[:, :max_len].long()  # [bs, L]
-        keys = k_cache[slots].transpose(1, 2)  # [bs, kv_heads, L, head_dim]
-        values = v_cache[slots].transpose(1, 2)
+        keys = gather_slots(k_cache, slots).transpose(1, 2)  # [bs, kv_heads, L, head_dim]
+        values = gather_slots(v_cache, slots).transpose(1, 2)
         positions = torch.arange(max_len, device=q.device)
         mask = (positions[None, :] < md.cache_seqlens[:, None])[:, None, None, :]
         out = F.scaled_dot_product_attention(
@@ -112,8 +118,8 @@ class TorchAttnBackend(BaseAttnBackend):
             if start == end:
                 continue
             slots = md.page_table[i, :seq_len].long()
-            keys = k_cache[slots].transpose(0, 1)  # [kv_heads, seq_len, head_dim]
-            values = v_cache[slots].transpose(0, 1)
+            keys = gather_slots(k_cache, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
+            values = gather_slots(v_cache, slots).transpose(0, 1)
             # New token j sits at position seq_len - n + j and sees every position up to it.
             n = end - start
             q_pos = torch.arange(seq_len - n, seq_len, device=q.device)

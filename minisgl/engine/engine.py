@@ -34,6 +34,7 @@ from minisgl.engine.bias import (
 # <<< ch25
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner, decode_graph_sizes  # [ch18]
+from minisgl.engine.limits import EngineLimits  # [ch21]
 from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits  # [ch25]
 from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
 from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
@@ -105,6 +106,7 @@ class Engine:
         self.num_kv_heads = max(mc.num_kv_heads // config.tp_size, 1)  # this rank's  # [ch21]
         self.num_pages = config.num_page_override or self._pages_from_budget()
         self.num_pages = agree_min(self.num_pages)  # all ranks must schedule alike  # [ch21]
+        EngineLimits.of(self).check_ranks_agree()  # before graphs wait in collectives  # [ch21]
         self.kv_cache = MHAKVCache(
             mc.num_layers,
             self.num_pages,

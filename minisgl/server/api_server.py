@@ -22,7 +22,7 @@ from typing import Any
 import zmq.asyncio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from minisgl.core import SamplingParams
@@ -36,6 +36,7 @@ from minisgl.message.frontend import (
     TokenLogprob,  # [ch25]
 )
 from minisgl.message.transport import AsyncReader, AsyncWriter, address
+from minisgl.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from minisgl.server.metrics import Metrics
 from minisgl.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -85,7 +86,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     token_texts: list[str] = field(default_factory=list)  # for logprobs
     finish_reason: str | None = None
-    started: float | None = None
+    started: float | None = None  # its arrival, then its first token's time
+    arrived: float | None = None
     # >>> ch25
     details: list[TokenLogprob] = field(default_factory=list)  # per logprob: bytes, alternatives
     offsets: list[int] = field(default_factory=list)  # per logprob: where its text starts
@@ -149,8 +151,8 @@ class Frontend:
             raise APIError(400, refusal.message, param, code=refusal.code)
         for reply in early + [queue.get_nowait() for _ in range(queue.qsize())]:
             queue.put_nowait(reply)  # back in their order, ahead of what came after
-        self.metrics.requests += len(msgs)
-        self.metrics.prompt_tokens += prompt_tokens  # n choices share one prompt
+        self.metrics.requests.inc(len(msgs))
+        self.metrics.prompt_tokens.inc(prompt_tokens)  # n choices share one prompt
         return queue, prompt_tokens
 
     async def close(self, uids: list[int], abort: bool) -> None:
@@ -166,7 +168,7 @@ class Frontend:
         self.record_echo(choice, delta)
         # <<< ch25
         if delta.token is not None:
-            self.metrics.generation_tokens += 1
+            self.metrics.generation_tokens.inc()
             choice.tokens += 1
             choice.token_ids.append(delta.token)
             if delta.logprob is not None:
@@ -187,6 +189,8 @@ class Frontend:
             choice.finish_reason = delta.finish_reason or "stop"
             if choice.tokens > 1:
                 self.metrics.tpot.observe((now - choice.started) / (choice.tokens - 1))
+            if choice.arrived is not None:
+                self.metrics.e2e.observe(now - choice.arrived)
 
     # >>> ch25
     def record_echo(self, choice: Choice, delta: DeltaMsg) -> None:
@@ -212,7 +216,7 @@ def create_app(
     app = FastAPI(title="minisgl")
 
     def refuse(error: APIError, headers: dict[str, str] | None = None) -> Response:
-        frontend.metrics.failed_requests += 1
+        frontend.metrics.failed_requests.inc()
         return error.response(headers)
 
     @app.exception_handler(APIError)
@@ -261,7 +265,7 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return PlainTextResponse(frontend.metrics.render())
+        return Response(frontend.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -322,7 +326,9 @@ def create_app(
     async def respond(request: Request, body: Any, msgs: list[TokenizeMsg], chat: bool) -> Response:
         queue, prompt_tokens = await frontend.open(msgs)
         started = time.perf_counter()
-        choices = {m.uid: Choice(m.uid, i, started=started) for i, m in enumerate(msgs)}
+        choices = {
+            m.uid: Choice(m.uid, i, started=started, arrived=started) for i, m in enumerate(msgs)
+        }
         for c in choices.values():  # [ch25]
             c.hidden = body.max_tokens == 0  # [ch25]
         shape = _Shape(chat, model_name, body.logprobs)
@@ -360,7 +366,7 @@ def create_app(
             while any(c.finish_reason is None for c in choices.values()):
                 delta: DeltaMsg | RejectedMsg = await queue.get()
                 if isinstance(delta, RejectedMsg):  # too late for a status: an error event
-                    frontend.metrics.failed_requests += 1
+                    frontend.metrics.failed_requests.inc()
                     error = APIError(400, delta.message, code=delta.code)
                     yield f"data: {json.dumps(error.body())}\n\n"
                     return

@@ -1,87 +1,112 @@
-"""Counters and histograms for /metrics, written out in the Prometheus text format."""
+"""/metrics: the server's counters, gauges and latency histograms, through prometheus-client.
+
+Every name starts with `minisgl:` (as vLLM's start with `vllm:`), and says its unit:
+`_seconds`, `_tokens`, `_pages`; counters end in `_total`. Each server has a registry of
+its own, so that several servers in one process (tests start them) never share a count.
+
+The gauges are what the scheduler last reported (it sends its numbers after every step
+that changed something); until its first report, the server shows an idle scheduler with
+the KV cache it announced at start-up.
+"""
 
 from __future__ import annotations
 
-import bisect
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from minisgl.message.backend import SchedulerStats
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Latencies from a GPU's milliseconds to a loaded CPU's tens of seconds, about three
+# buckets per factor of ten, so that a p99 read from the buckets is within ~2x anywhere.
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # no `_created` timestamp beside every counter and histogram
 
-
-class Histogram:
-    def __init__(self, name: str, help_text: str) -> None:
-        self.name, self.help = name, help_text
-        self.counts = [0] * (len(_LATENCY_BUCKETS) + 1)  # the last one is +Inf
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(_LATENCY_BUCKETS, value)] += 1
-        self.sum += value
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
-        total = 0
-        for bound, count in zip([*map(str, _LATENCY_BUCKETS), "+Inf"], self.counts):
-            total += count
-            lines.append(f'{self.name}_bucket{{le="{bound}"}} {total}')
-        lines += [f"{self.name}_sum {self.sum:.6f}", f"{self.name}_count {total}"]
-        return lines
+FIRST_TOKEN_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0,
+)  # fmt: skip
+PER_TOKEN_BUCKETS = (
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0,
+)  # fmt: skip
+REQUEST_BUCKETS = (
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 25.0, 50.0, 100.0, 250.0, 500.0,
+)  # fmt: skip
 
 
 class Metrics:
     def __init__(self, kv_pages_total: int = 0) -> None:
-        self.requests = 0
-        self.failed_requests = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram("minisgl_time_to_first_token_seconds", "Time to first token.")
-        self.tpot = Histogram(
-            "minisgl_time_per_output_token_seconds", "Time per output token after the first."
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("minisgl:requests", "Requests accepted.", registry=r)
+        self.failed_requests = Counter(
+            "minisgl:failed_requests", "Requests refused with an error.", registry=r
         )
-        # Until the scheduler's first report: idle, with the pool size it announced at start-up.
+        self.prompt_tokens = Counter(
+            "minisgl:prompt_tokens", "Prompt tokens of accepted requests.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "minisgl:generation_tokens", "Tokens generated.", registry=r
+        )
+        self.ttft = Histogram(
+            "minisgl:time_to_first_token_seconds",
+            "From a request's arrival to its first token.",
+            buckets=FIRST_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "minisgl:time_per_output_token_seconds",
+            "Per request: the time after its first token, over the tokens after the first.",
+            buckets=PER_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "minisgl:e2e_request_latency_seconds",
+            "From a request's arrival to its last token.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
         self.stats = SchedulerStats(0, 0, kv_pages_total, 0, 0, 0)
+        r.register(_SchedulerCollector(self))
 
-    def render(self) -> str:
-        s = self.stats
-        values = [
-            ("requests_total", "counter", "Requests accepted.", self.requests),
-            (
-                "failed_requests_total",
-                "counter",
-                "Requests refused with an error.",
-                self.failed_requests,
-            ),
-            (
-                "prompt_tokens_total",
-                "counter",
-                "Prompt tokens of accepted requests.",
-                self.prompt_tokens,
-            ),
-            ("generation_tokens_total", "counter", "Tokens generated.", self.generation_tokens),
-            (
-                "cached_tokens_total",
-                "counter",
-                "Prompt tokens served from the prefix cache.",
-                s.cached_tokens_total,
-            ),
-            (
-                "preemptions_total",
-                "counter",
-                "Requests preempted for KV space.",
-                s.preemptions_total,
-            ),
-            ("num_requests_running", "gauge", "Requests in the scheduler.", s.running),
-            ("num_requests_waiting", "gauge", "Requests queued for prefill.", s.queued),
-            ("kv_pages_total", "gauge", "Pages in the KV cache.", s.kv_pages_total),
-            ("kv_pages_in_use", "gauge", "KV pages held by running requests.", s.kv_pages_in_use),
-        ]
-        lines = []
-        for name, kind, help_text, value in values:
-            lines += [
-                f"# HELP minisgl_{name} {help_text}",
-                f"# TYPE minisgl_{name} {kind}",
-                f"minisgl_{name} {value}",
-            ]
-        lines += self.ttft.render() + self.tpot.render()
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        """The Prometheus text exposition format (content type CONTENT_TYPE)."""
+        return generate_latest(self.registry)
+
+
+class _SchedulerCollector(Collector):
+    """The scheduler's last report, read at every scrape: its running totals as counters,
+    its state now as gauges."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.stats
+        yield CounterMetricFamily(
+            "minisgl:cached_tokens",
+            "Prompt tokens served from the prefix cache.",
+            value=s.cached_tokens_total,
+        )
+        yield CounterMetricFamily(
+            "minisgl:preemptions", "Requests preempted for KV space.", value=s.preemptions_total
+        )
+        yield GaugeMetricFamily(
+            "minisgl:num_requests_running", "Requests in the scheduler.", value=s.running
+        )
+        yield GaugeMetricFamily(
+            "minisgl:num_requests_waiting", "Requests queued for prefill.", value=s.queued
+        )
+        yield GaugeMetricFamily(
+            "minisgl:kv_pages_capacity", "Pages in the KV cache.", value=s.kv_pages_total
+        )
+        yield GaugeMetricFamily(
+            "minisgl:kv_pages_used", "KV pages held by running requests.", value=s.kv_pages_in_use
+        )
