@@ -51,6 +51,8 @@ class _Env:
         # <<< ch12
         # Use FlashInfer's fused norm / activation / rotary kernels on CUDA when installed.
         self.FUSED_KERNELS = EnvVar.read("FUSED_KERNELS", True)  # [ch19]
+        # Linear layers of at most this many tokens use our GEMV kernel on CUDA (0: never).
+        self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 1)  # [ch20]
 
 
 ENV = _Env()

@@ -11,6 +11,7 @@ are tested on the GPU (tests/test_gpu.py).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import types
 
@@ -76,8 +77,14 @@ def test_auto_on_cuda_prefers_fi_and_says_why_not(monkeypatch, caplog) -> None:
 # ---- FlashInfer's page arrays ---------------------------------------------------------------
 
 
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # tests/conftest.py, without a GPU
+KERNEL = [False] + ([True] if torch.cuda.is_available() or INTERPRETED else [])
+
+
+@pytest.mark.parametrize("kernel", KERNEL)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_paged_kv_layout_equals_a_plain_loop(page_size: int) -> None:
+def test_paged_kv_layout_equals_a_plain_loop(page_size: int, kernel: bool) -> None:
+    """By torch operations, and by our page-id kernel (in Triton's interpreter on CPU)."""
     gen = torch.Generator().manual_seed(page_size)
     rows, width = 6, 64
     table = torch.zeros(rows, width, dtype=torch.int32)
@@ -86,7 +93,8 @@ def test_paged_kv_layout_equals_a_plain_loop(page_size: int) -> None:
         own = pages[r * width // page_size : (r + 1) * width // page_size]
         table[r] = (own[:, None] * page_size + torch.arange(page_size)).flatten()[:width]
     seq_lens, req_rows = [1, 17, 64, page_size, 33, 2], [5, 0, 3, 1, 2, 5]  # row 5 twice: dummy
-    indptr, indices, last = paged_kv_layout(seq_lens, req_rows, table, page_size)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    indptr, indices, last = paged_kv_layout(seq_lens, req_rows, table.to(device), page_size, kernel)
 
     want_indptr, want_indices, want_last = [0], [], []
     for n, r in zip(seq_lens, req_rows):

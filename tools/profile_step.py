@@ -19,8 +19,13 @@ prints, per decode step:
   (`--bandwidth`, GB/s): at batch 1 a step can be no faster than that floor;
 
 then the kernels and the host operations that take the most time. `--trace` writes the
-timeline for chrome://tracing or Perfetto. With `--tp-size N` the figures are rank 0's:
-its communication kernels include the time spent waiting for the other ranks.
+timeline for chrome://tracing or Perfetto. `--phases` runs without the profiler (which
+slows the host) and times the host's part of each step by phase instead: scheduling,
+`prepare_batch`, the forward's launch (of which the graph replay), sampling, and
+processing the step before, of which waiting for the device; what the host spends outside
+the scheduler's step (the offline loop) is the rest of the interval between steps. With
+`--tp-size N` the figures are rank 0's: its communication kernels include the time spent
+waiting for the other ranks.
 """
 
 from __future__ import annotations
@@ -99,6 +104,106 @@ def profile_steps(llm: object, args: argparse.Namespace) -> tuple[profile, float
     return prof, state["wall"], state["profiled"]
 
 
+PHASES = [
+    "step",
+    "schedule",
+    "prepare_batch",
+    "forward (launch)",
+    "  of which graph replay",
+    "sample",
+    "process the step before",
+    "  of which waiting for the device",
+]
+
+
+def time_phases(llm: object, args: argparse.Namespace) -> dict:
+    """Host seconds per steady decode step in each phase of the scheduler's step."""
+    from minisgl.core import SamplingParams
+
+    sched, engine = llm.scheduler, llm.engine  # type: ignore[attr-defined]
+    runner = engine.graph_runner
+    totals: dict[str, float] = {}
+    state = {"steady": 0, "steps": 0, "first": 0.0, "last": 0.0, "on": False}
+
+    def timed(name: str, fn):
+        def wrapper(*a, **kw):
+            if not state["on"]:
+                return fn(*a, **kw)
+            start = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    def process(flight):
+        if state["on"] and flight.output is not None and flight.output.copy_done is not None:
+            start = time.perf_counter()
+            flight.output.copy_done.synchronize()
+            totals["  of which waiting for the device"] = (
+                totals.get("  of which waiting for the device", 0.0) + time.perf_counter() - start
+            )
+        return inner_process(flight)
+
+    inner_process = timed("process the step before", type(sched)._process.__get__(sched))
+    patches = {
+        (sched, "_schedule"): timed("schedule", sched._schedule),
+        (sched, "_process"): process,
+        (engine, "prepare_batch"): timed("prepare_batch", engine.prepare_batch),
+        (engine, "forward_logits"): timed("forward (launch)", engine.forward_logits),
+        (engine, "sample_logits"): timed("sample", engine.sample_logits),
+        (runner, "replay"): timed("  of which graph replay", runner.replay),
+    }
+    step_fn = type(sched).step.__get__(sched)
+
+    def step() -> list:
+        steady = not sched.prefill.has_work and len(sched.decode.running) == args.batch_size
+        now = time.perf_counter()
+        if state["on"] and (not steady or state["steps"] == args.steps):
+            state["on"] = False
+            state["last"] = now
+        elif steady and not state["on"] and not state["first"]:
+            state["steady"] += 1
+            if state["steady"] == 3:
+                state["on"], state["first"] = True, now
+        if state["on"]:
+            state["steps"] += 1
+            start = time.perf_counter()
+            out = step_fn()
+            totals["step"] = totals.get("step", 0.0) + time.perf_counter() - start
+            return out
+        return step_fn()
+
+    rng = random.Random(args.seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [
+        [rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(args.batch_size)
+    ]
+    params = SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]  # warm-up
+    for (obj, name), fn in patches.items():
+        setattr(obj, name, fn)
+    sched.step = step
+    try:
+        llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
+    finally:
+        for obj, name in [*patches, (sched, "step")]:
+            delattr(obj, name)
+    steps = state["steps"]
+    if not steps or not state["last"]:
+        raise SystemExit("the batch never decoded steadily: raise --steps or check the engine")
+    interval = (state["last"] - state["first"]) / steps
+    out = {k: v / steps * 1e3 for k, v in totals.items()}
+    out["interval"] = interval * 1e3
+    print(f"{steps} decode steps at batch {args.batch_size}, host time per step (ms), no profiler:")
+    print(f"  {'interval between steps':36s} {interval * 1e3:8.3f}")
+    for name in PHASES:
+        print(f"  {name:36s} {out.get(name, 0.0):8.3f}")
+    print(f"  {'outside the step (offline loop)':36s} {interval * 1e3 - out['step']:8.3f}")
+    return out
+
+
 def report(prof: profile, wall: float, steps: int, args: argparse.Namespace) -> dict:
     events = prof.key_averages()
     device = [e for e in events if e.device_type.name == "CUDA"]
@@ -174,6 +279,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", help="write the profiler timeline (Chrome trace JSON) here")
     p.add_argument("--output-json")
+    p.add_argument("--phases", action="store_true", help="host time by phase, no profiler")
     args = p.parse_args()
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
 
@@ -192,6 +298,11 @@ def main() -> None:
         tp_size=args.tp_size,
     )
     try:
+        if args.phases:
+            out = time_phases(llm, args)
+            if args.output_json:
+                Path(args.output_json).write_text(json.dumps(out, indent=1))
+            return
         prof, wall, steps = profile_steps(llm, args)
         out = report(prof, wall, steps, args)
         if args.trace:

@@ -30,13 +30,18 @@ WORKSPACE_BYTES = 256 * 2**20  # split-KV partial results; FlashInfer recommends
 
 
 def paged_kv_layout(
-    seq_lens: list[int], rows: list[int], page_table: torch.Tensor, page_size: int
+    seq_lens: list[int],
+    rows: list[int],
+    page_table: torch.Tensor,
+    page_size: int,
+    kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(indptr [bs + 1] host, indices [pages] device, last_page_len [bs] host), int32.
 
     Request i holds `seq_lens[i]` tokens in row `rows[i]` of the page table, which maps
     each position to its KV slot (page * page_size + offset). The page ids are gathered on
-    the device: a batch of long sequences has hundreds of thousands of them.
+    the device: a batch of long sequences has hundreds of thousands of them. `kernel`: by
+    our Triton kernel in one launch (the default on CUDA), else by torch operations.
     """
     bs, device = len(rows), page_table.device
     pages = [cdiv(n, page_size) for n in seq_lens]
@@ -46,9 +51,16 @@ def paged_kv_layout(
     if device.type == "cuda":  # plan() copies indptr and last_page_len in: asynchronously
         host = host.pin_memory()
     starts, _, row_of, pages_of = host.to(device, non_blocking=True).split([bs + 1, bs, bs, bs])
+    total = indptr[-1]
+    # >>> ch20 one kernel instead of the dozen operations below
+    if kernel if kernel is not None else device.type == "cuda":
+        from minisgl.kernels.page_ids import gather_page_ids
+
+        indices = gather_page_ids(page_table, row_of, starts, total, max(pages), page_size)
+        return host[: bs + 1], indices, host[bs + 1 : 2 * bs + 1]
+    # <<< ch20
     # For each output entry: the row of the request it belongs to, and its page number
     # within that request.
-    total = indptr[-1]
     row = torch.repeat_interleave(row_of, pages_of, output_size=total)
     first = torch.repeat_interleave(starts[:-1], pages_of, output_size=total)
     page_no = torch.arange(total, device=device, dtype=torch.int32) - first

@@ -55,4 +55,24 @@ def rope_store_kernel(x: torch.Tensor) -> Callable | None:
     return _rope_store()
 
 
+@functools.cache
+def _gemv() -> Callable | None:
+    try:
+        from minisgl.kernels.gemv import gemv
+    except ImportError:  # no triton
+        return None
+    return gemv
+
+
+def gemv_kernel(x: torch.Tensor) -> Callable | None:
+    """`kernels.gemv.gemv` when `x` is a few rows (at most MINISGL_GEMV_MAX_ROWS) of bf16/fp16
+    activations on CUDA: a decode step of a small batch, where the matmul library moves the
+    weights at a fraction of the memory's speed. Else None."""
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
+        return None
+    if x.size(0) > ENV.GEMV_MAX_ROWS.value or not ENV.FUSED_KERNELS.value:
+        return None
+    return _gemv()
+
+
 # <<< ch20

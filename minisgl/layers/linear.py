@@ -9,6 +9,10 @@ from torch import nn
 # >>> ch21 tensor parallelism: a layer may be cut across the ranks
 from minisgl.distributed import Split, all_reduce, get_tp_info
 
+# <<< ch21
+from minisgl.layers.fused import gemv_kernel  # [ch20]
+
+# >>> ch21
 # A layer is cut one of two ways. Along its outputs (split dim 0, "column parallel"): each rank
 # computes a slice of the output features from the whole input. Along its inputs (split dim
 # 1, "row parallel"): each rank holds a slice of the input features and computes a partial
@@ -49,7 +53,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # >>> ch21 partial sums: add them up across the ranks, then add the bias once
         if self.reduce:
-            y = all_reduce(F.linear(x, self.weight))
+            y = all_reduce(self.matmul(x, None))
             return y if self.bias is None else y + self.bias
         # <<< ch21
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # >>> ch20 a few tokens: a matrix-vector product, the weights read once at full speed
+        if gemv := gemv_kernel(x):
+            return gemv(x, self.weight, bias)
+        # <<< ch20
+        return F.linear(x, self.weight, bias)

@@ -15,6 +15,7 @@ from minisgl.distributed import Split, get_tp_info  # [ch21]
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import LMHead, VocabEmbedding
+from minisgl.layers.fused import gemv_kernel  # [ch20]
 from minisgl.layers.linear import Linear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import get_rope
@@ -37,6 +38,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # >>> ch20 a few tokens: gate_up and SiLU-and-mul in one kernel
+        if gemv := gemv_kernel(x):
+            return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
+        # <<< ch20
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 

@@ -1,0 +1,99 @@
+"""Matrix-vector products for a decode step of a few tokens: y = x @ W.T, W read once.
+
+At batch 1 a linear layer is a matrix-vector product: every weight is read once and used
+once, so the time is the bytes of W over the memory bandwidth. A general matmul library
+tiles for reuse that is not there, and at one row of x its kernels move a small layer's
+weights at a fraction of what the memory gives. Here each program takes a block of output
+features, streams their rows of W (contiguous in memory) through registers, and keeps the
+products of each block of K apart until the end, so the loop is loads and fused
+multiply-adds with no reduction across threads until the last step.
+
+The blocks are chosen by the shape: enough programs that every SM has several in flight,
+and rows of W read in long contiguous runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 4  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
+
+
+@triton.jit
+def _gemv_kernel(
+    X, W, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+):  # fmt: skip
+    # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N]
+    pid = tl.program_id(0)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_mask, n_mask = rm < M, rn < N
+    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if GATED:
+        up_ptrs = w_ptrs + N * stride_wn
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        k_mask = rk < K - k
+        wk_mask = n_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs, mask=wk_mask, other=0.0)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        if GATED:
+            u = tl.load(up_ptrs, mask=wk_mask, other=0.0)
+            acc_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
+            up_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    dtype = Y.dtype.element_ty
+    y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if GATED:  # rounded to the model dtype first, as the unfused matmul's output is
+        gate = y.to(dtype).to(tl.float32)
+        up = tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :]
+    tl.store(y_ptrs, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [m, k] @ W[n, k].T.
+
+    From a sweep on the H200 (tools/bench_gemv.py --sweep): one warp per program, a few
+    rows each, about 1,000-2,000 programs, and K in two or three blocks."""
+    block_n = max(1, min(4, triton.next_power_of_2(n // 1536 + 1) // 2))
+    block_k = 512 if k <= 1024 else 1024
+    return triton.next_power_of_2(m), block_n, block_k, 1
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    blocks: tuple[int, int, int, int] | None = None,
+    gated: bool = False,
+) -> torch.Tensor:
+    """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
+
+    gated: weight holds [gate; up] and the result is silu(x @ gate.T) * (x @ up.T), [m, n/2]
+    (a merged gate_up projection and the SiLU-and-mul after it, in one kernel)."""
+    m, k = x.shape
+    n = weight.size(0) // 2 if gated else weight.size(0)
+    assert m <= MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
+    assert not (gated and bias is not None)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k, warps = blocks or gemv_blocks(m, n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, bias if bias is not None else weight, m, n, k,
+        x.stride(0), weight.stride(0), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
+        GATED=gated, num_warps=warps,
+    )  # fmt: skip
+    return y
