@@ -71,12 +71,13 @@ def _hf_greedy(path: Path, ids: tuple[int, ...], max_new_tokens: int) -> tuple[i
 def all_logits(engine: Engine, reqs: list[Req], phase: str) -> torch.Tensor:
     """Logits at every new position of the batch (the LM head normally keeps only the last)."""
     batch = Batch(reqs, phase)  # type: ignore[arg-type]
-    engine.prepare_batch(batch)
+    new_tokens = sum(r.extend_len for r in reqs)
+    engine.prepare_batch(batch)  # may pad the batch for a graph: its tokens come first
     with torch.inference_mode(), engine.ctx.forward_batch(batch):
         logits = engine.model.lm_head.project(engine.model.model(batch.input_ids))
     for req in reqs:
         req.complete_one()
-    return logits
+    return logits[:new_tokens]
 
 
 def make_engine(path: Path, **kw) -> Engine:

@@ -16,6 +16,7 @@ from helpers import TINY, need
 from minisgl.core import SamplingParams
 from minisgl.kernels.gemv import MAX_ROWS, gemv, gemv_blocks
 from minisgl.layers.activation import silu_and_mul_reference
+from minisgl.layers.norm import RMSNorm
 from minisgl.llm import LLM
 
 pytestmark = pytest.mark.skipif(
@@ -60,6 +61,28 @@ def test_gated_gemv_equals_gate_up_then_silu_and_mul(
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_gemv_with_the_norm_equals_add_norm_then_the_projection(
+    m: int, n: int, k: int, dtype: torch.dtype, gated: bool
+) -> None:
+    """norm=...: RMSNorm(x + residual) is the input, and x + residual goes to residual_out."""
+    gen = torch.Generator().manual_seed(3 * n + k + gated)
+    x, residual = (torch.randn(m, k, generator=gen).to(DEV, dtype) for _ in range(2))
+    w = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(DEV, dtype)
+    norm = RMSNorm(k, 1e-6).to(DEV, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=gen) + 0.5)
+    want_sum = x + residual
+    want = F.linear(norm.reference(want_sum), w)
+    want = silu_and_mul_reference(want) if gated else want
+    out = torch.full_like(residual, float("nan"))
+    got = gemv(x, w, gated=gated, norm=(residual, out, norm.weight, norm.eps))
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    torch.testing.assert_close(out, want_sum, rtol=0, atol=0)
+
+
 def test_gemv_refuses_what_it_cannot_take() -> None:
     w = torch.randn(8, 16, device=DEV)
     with pytest.raises(AssertionError):
@@ -71,15 +94,19 @@ def test_gemv_refuses_what_it_cannot_take() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")
 def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the whole model, with the kernel forced on for CPU tensors of one row: every
-    decode step's linear layers (and gate_up + SiLU-and-mul) run in it."""
+    decode step's linear layers run in it, the LM head's too, gate_up with SiLU-and-mul,
+    and the norms before qkv and gate_up inside the projections' kernels."""
+    import minisgl.layers.embedding as embedding
+    import minisgl.layers.fused as fused
     import minisgl.layers.linear as linear
     import minisgl.models.llama as llama
 
-    calls = {"plain": 0, "gated": 0}
+    calls = {"plain": 0, "gated": 0, "normed": 0}
 
-    def counted(x, weight, bias=None, gated=False):
+    def counted(x, weight, bias=None, gated=False, norm=None):
         calls["gated" if gated else "plain"] += 1
-        return gemv(x, weight, bias, gated=gated)
+        calls["normed"] += norm is not None
+        return gemv(x, weight, bias, gated=gated, norm=norm)
 
     def forced(x):
         return counted if x.dim() == 2 and x.size(0) == 1 else None
@@ -88,14 +115,14 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     out = []
     for name in ("llama", "qwen2"):  # qwen2: a bias on qkv
-        for fused in (False, True):
-            if fused:
-                monkeypatch.setattr(linear, "gemv_kernel", forced)
-                monkeypatch.setattr(llama, "gemv_kernel", forced)
+        for on in (False, True):
+            if on:
+                for module in (linear, llama, fused, embedding):
+                    monkeypatch.setattr(module, "gemv_kernel", forced)
             llm = LLM(str(need(TINY[name])), device="cpu", max_running_req=1,
                       num_page_override=64, max_seq_len_override=32)  # fmt: skip
             out.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
             llm.shutdown()
             monkeypatch.undo()
     assert out[0] == out[1] and out[2] == out[3]
-    assert calls["plain"] > 0 and calls["gated"] > 0
+    assert calls["plain"] > 0 and calls["gated"] > 0 and calls["normed"] > 0

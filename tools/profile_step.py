@@ -121,7 +121,7 @@ def time_phases(llm: object, args: argparse.Namespace) -> dict:
     from minisgl.core import SamplingParams
 
     sched, engine = llm.scheduler, llm.engine  # type: ignore[attr-defined]
-    runner = engine.graph_runner
+    runner, backend = engine.graph_runner, engine.attn_backend
     totals: dict[str, float] = {}
     state = {"steady": 0, "steps": 0, "first": 0.0, "last": 0.0, "on": False}
 
@@ -146,14 +146,35 @@ def time_phases(llm: object, args: argparse.Namespace) -> dict:
             )
         return inner_process(flight)
 
+    # On a GPU, CUDA events around each step's device work from the graph's launch (after
+    # the attention's plan for it) to the sampled tokens' copy to the host: the device is
+    # busy at least for the sum of those spans (the few small copies and kernels before the
+    # launch are not counted), and the rest of the time it waited for the host.
+    cuda = args.device.startswith("cuda")
+    spans: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def marked(fn, where: str):
+        def wrapper(*a, **kw):
+            out = fn(*a, **kw)
+            if state["on"] and cuda and where == "start":
+                spans.append((torch.cuda.Event(enable_timing=True), None))
+                spans[-1][0].record()
+            if state["on"] and cuda and where == "end" and spans and spans[-1][1] is None:
+                spans[-1] = (spans[-1][0], torch.cuda.Event(enable_timing=True))
+                spans[-1][1].record()
+            return out
+
+        return wrapper
+
     inner_process = timed("process the step before", type(sched)._process.__get__(sched))
     patches = {
         (sched, "_schedule"): timed("schedule", sched._schedule),
         (sched, "_process"): process,
         (engine, "prepare_batch"): timed("prepare_batch", engine.prepare_batch),
         (engine, "forward_logits"): timed("forward (launch)", engine.forward_logits),
-        (engine, "sample_logits"): timed("sample", engine.sample_logits),
+        (engine, "sample_logits"): timed("sample", marked(engine.sample_logits, "end")),
         (runner, "replay"): timed("  of which graph replay", runner.replay),
+        (backend, "prepare_for_replay"): marked(backend.prepare_for_replay, "start"),
     }
     step_fn = type(sched).step.__get__(sched)
 
@@ -201,6 +222,16 @@ def time_phases(llm: object, args: argparse.Namespace) -> dict:
     for name in PHASES:
         print(f"  {name:36s} {out.get(name, 0.0):8.3f}")
     print(f"  {'outside the step (offline loop)':36s} {interval * 1e3 - out['step']:8.3f}")
+    spans = [(a, b) for a, b in spans if b is not None]
+    if len(spans) > 1:
+        torch.cuda.synchronize()
+        busy_ms = sum(a.elapsed_time(b) for a, b in spans)
+        whole_ms = spans[0][0].elapsed_time(spans[-1][1])
+        out["device_busy"] = busy_ms / whole_ms
+        print(
+            f"device busy (CUDA events): {busy_ms / len(spans):.3f} ms of device work per step, "
+            f"{out['device_busy']:.1%} of the {whole_ms / len(spans):.3f} ms per step"
+        )
     return out
 
 

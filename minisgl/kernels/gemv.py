@@ -23,41 +23,62 @@ MAX_ROWS = 4  # rows of x (tokens) this kernel takes; beyond it the matmul libra
 
 @triton.jit
 def _gemv_kernel(
-    X, W, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
+    X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
-    # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N]
+    # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N].
+    # NORM: the input is RMSNorm(x + r) with weight NW; program 0 also writes x + r to R_OUT.
+    # The norm's scale is one number per row of x, so it is taken out of the sum: one pass
+    # adds up (x + r) * NW * W and the squares of x + r, and the scale multiplies at the end.
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_mask, n_mask = rm < M, rn < N
     w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = X + rm[:, None] * stride_xm + rk[None, :]
+    x_offs = rm[:, None] * stride_xm + rk[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         k_mask = rk < K - k
-        wk_mask = n_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs, mask=wk_mask, other=0.0)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if GATED:
+            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(X + x_offs, mask=x_mask, other=0.0)
+        if NORM:  # x + r, rounded to the model dtype as the unfused add is
+            x = x.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
+            x = x.to(X.dtype.element_ty)
+            if pid == 0:
+                tl.store(R_OUT + x_offs, x, mask=x_mask)
+            x = x.to(tl.float32)
+            squares += x * x
+            x = x * tl.load(NW + k + rk, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+        x = x.to(tl.float32)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
         if GATED:
-            u = tl.load(up_ptrs, mask=wk_mask, other=0.0)
             acc_up += x[:, None, :] * u.to(tl.float32)[None, :, :]
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        x_offs += BLOCK_K
     dtype = Y.dtype.element_ty
     y = tl.sum(acc, axis=2)
+    if GATED:
+        y_up = tl.sum(acc_up, axis=2)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(squares, axis=1) / K + eps)[:, None]
+        y *= rstd
+        if GATED:
+            y_up *= rstd
     if HAS_BIAS:
         y += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:  # rounded to the model dtype first, as the unfused matmul's output is
         gate = y.to(dtype).to(tl.float32)
-        up = tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
+        up = y_up.to(dtype).to(tl.float32)
         y = gate / (1.0 + tl.exp(-gate)) * up
     y_ptrs = Y + rm[:, None] * stride_ym + rn[None, :]
     tl.store(y_ptrs, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -79,21 +100,30 @@ def gemv(
     bias: torch.Tensor | None = None,
     blocks: tuple[int, int, int, int] | None = None,
     gated: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
 
     gated: weight holds [gate; up] and the result is silu(x @ gate.T) * (x @ up.T), [m, n/2]
-    (a merged gate_up projection and the SiLU-and-mul after it, in one kernel)."""
+    (a merged gate_up projection and the SiLU-and-mul after it, in one kernel).
+    norm = (residual, residual_out, norm_weight, eps): the input is RMSNorm(x + residual)
+    instead of x (the residual add and the norm before a projection, in the same kernel),
+    and x + residual is written to residual_out, a tensor of x's shape apart from both."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
     assert m <= MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert not (gated and bias is not None)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    residual, residual_out, norm_weight, eps = norm or (x, x, x, 0.0)
+    if norm is not None:
+        assert (
+            residual.shape == x.shape and residual.stride() == residual_out.stride() == x.stride()
+        )
     block_m, block_n, block_k, warps = blocks or gemv_blocks(m, n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, y, bias if bias is not None else weight, m, n, k,
-        x.stride(0), weight.stride(0), y.stride(0),
+        x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
+        eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        GATED=gated, num_warps=warps,
+        GATED=gated, NORM=norm is not None, num_warps=warps,
     )  # fmt: skip
     return y

@@ -9,6 +9,7 @@ from torch import nn
 from minisgl.core import get_global_ctx  # [ch04]
 from minisgl.distributed import Split, all_gather, all_reduce, get_tp_info  # [ch21]
 from minisgl.engine.breakable import eager_on_graph  # [ch23]
+from minisgl.layers.fused import gemv_kernel  # [ch20]
 
 
 class VocabEmbedding(nn.Module):
@@ -70,6 +71,13 @@ class LMHead(nn.Module):
     # <<< ch04
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.matmul(hidden)
         logits = all_gather(logits)  # the ranks' slices of the vocabulary, side by side  # [ch21]
         return logits.float()
+
+    def matmul(self, hidden: torch.Tensor) -> torch.Tensor:
+        # >>> ch20 one token: our GEMV kernel reads the vocabulary's rows at full speed
+        if gemv := gemv_kernel(hidden):
+            return gemv(hidden, self.weight)
+        # <<< ch20
+        return F.linear(hidden, self.weight)

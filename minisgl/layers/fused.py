@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable  # [ch20]
+from dataclasses import dataclass  # [ch20]
 from types import ModuleType
 
 import torch
@@ -73,6 +74,23 @@ def gemv_kernel(x: torch.Tensor) -> Callable | None:
     if x.size(0) > ENV.GEMV_MAX_ROWS.value or not ENV.FUSED_KERNELS.value:
         return None
     return _gemv()
+
+
+@dataclass
+class NormedInput:
+    """RMSNorm(x + residual), not computed yet: the projection it feeds does the add and the
+    norm in its own GEMV kernel (`RMSNorm.forward_add` hands this out where that projection
+    can take it), which saves a kernel and a pass over memory per norm. `residual_out`
+    receives x + residual, the residual stream after the add."""
+
+    x: torch.Tensor
+    residual: torch.Tensor
+    residual_out: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def gemv_args(self) -> dict:
+        return dict(norm=(self.residual, self.residual_out, self.weight, self.eps))
 
 
 # <<< ch20

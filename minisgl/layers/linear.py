@@ -10,7 +10,7 @@ from torch import nn
 from minisgl.distributed import Split, all_reduce, get_tp_info
 
 # <<< ch21
-from minisgl.layers.fused import gemv_kernel  # [ch20]
+from minisgl.layers.fused import NormedInput, gemv_kernel  # [ch20]
 
 # >>> ch21
 # A layer is cut one of two ways. Along its outputs (split dim 0, "column parallel"): each rank
@@ -60,6 +60,8 @@ class Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         # >>> ch20 a few tokens: a matrix-vector product, the weights read once at full speed
+        if isinstance(x, NormedInput):  # and the norm before it, in the same kernel
+            return gemv_kernel(x.x)(x.x, self.weight, bias, **x.gemv_args())
         if gemv := gemv_kernel(x):
             return gemv(x, self.weight, bias)
         # <<< ch20

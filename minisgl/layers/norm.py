@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.layers import fused  # [ch20]
 from minisgl.layers.fused import fused_ops  # [ch19]
 
 
@@ -17,6 +18,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        # set by the model where this norm feeds a projection that can do it in its kernel
+        self.into_gemv = False  # [ch20]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # >>> ch19
@@ -29,6 +32,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual). May overwrite both inputs."""
+        # >>> ch20 a few tokens before a projection: the add and the norm go into its kernel
+        if self.into_gemv and fused.gemv_kernel(x) is not None:
+            out = torch.empty_like(residual)
+            return fused.NormedInput(x, residual, out, self.weight, self.eps), out  # type: ignore[return-value]
+        # <<< ch20
         # >>> ch19
         if fi := fused_ops(x):
             fi.norm.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # in place

@@ -15,7 +15,7 @@ from minisgl.distributed import Split, get_tp_info  # [ch21]
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import LMHead, VocabEmbedding
-from minisgl.layers.fused import gemv_kernel  # [ch20]
+from minisgl.layers.fused import NormedInput, gemv_kernel  # [ch20]
 from minisgl.layers.linear import Linear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import get_rope
@@ -38,7 +38,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # >>> ch20 a few tokens: gate_up and SiLU-and-mul in one kernel
+        # >>> ch20 a few tokens: gate_up and SiLU-and-mul in one kernel (with the norm before)
+        if isinstance(x, NormedInput):
+            gemv = gemv_kernel(x.x)
+            return self.down_proj(gemv(x.x, self.gate_up_proj.weight, gated=True, **x.gemv_args()))
         if gemv := gemv_kernel(x):
             return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
         # <<< ch20
@@ -80,6 +83,10 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # >>> ch20 these norms feed a projection (qkv; a dense MLP's gate_up) that can do them
+        self.input_layernorm.into_gemv = True
+        self.post_attention_layernorm.into_gemv = isinstance(mlp, LlamaMLP)
+        # <<< ch20
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
