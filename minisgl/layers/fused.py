@@ -10,6 +10,7 @@ only path on CPU) when it returns None.
 from __future__ import annotations
 
 import functools
+import importlib  # [ch20]
 from collections.abc import Callable  # [ch20]
 from dataclasses import dataclass  # [ch20]
 from types import ModuleType
@@ -37,43 +38,35 @@ def fused_ops(x: torch.Tensor) -> ModuleType | None:
     return _flashinfer()
 
 
-# >>> ch20 our own Triton kernel: q/k head norms, rotary and the KV store in one
+# >>> ch20 our own Triton kernels, imported when first asked for (triton may be missing)
 @functools.cache
-def _rope_store() -> Callable | None:
+def _triton_kernel(module: str, name: str) -> Callable | None:
     try:
-        from minisgl.kernels.rope_store import qk_rope_store
+        return getattr(importlib.import_module(f"minisgl.kernels.{module}"), name)
     except ImportError:  # no triton
         return None
-    return qk_rope_store
+
+
+def _on_gpu_in_half(x: torch.Tensor) -> bool:
+    """bf16/fp16 on CUDA, with the fused kernels allowed: where our kernels take over."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and ENV.FUSED_KERNELS.value
 
 
 def rope_store_kernel(x: torch.Tensor) -> Callable | None:
-    """`kernels.rope_store.qk_rope_store` when it can take `x` (bf16/fp16 on CUDA), else None."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-        return None
-    if not ENV.FUSED_KERNELS.value:
-        return None
-    return _rope_store()
-
-
-@functools.cache
-def _gemv() -> Callable | None:
-    try:
-        from minisgl.kernels.gemv import gemv
-    except ImportError:  # no triton
-        return None
-    return gemv
+    """`kernels.rope_store.qk_rope_store` (q/k head norms, rotary and the KV store in one)
+    when it can take `x` (bf16/fp16 on CUDA), else None."""
+    return _triton_kernel("rope_store", "qk_rope_store") if _on_gpu_in_half(x) else None
 
 
 def gemv_kernel(x: torch.Tensor) -> Callable | None:
     """`kernels.gemv.gemv` when `x` is a few rows (at most MINISGL_GEMV_MAX_ROWS) of bf16/fp16
     activations on CUDA: a decode step of a small batch, where the matmul library moves the
     weights at a fraction of the memory's speed. Else None."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2):
+    if not (_on_gpu_in_half(x) and x.dim() == 2 and x.size(0) <= ENV.GEMV_MAX_ROWS.value):
         return None
-    if x.size(0) > ENV.GEMV_MAX_ROWS.value or not ENV.FUSED_KERNELS.value:
+    if x.stride(1) != 1:  # the kernel reads each row of x contiguously
         return None
-    return _gemv()
+    return _triton_kernel("gemv", "gemv")
 
 
 @dataclass
