@@ -30,18 +30,24 @@ def corpus() -> list[int]:
 
 @pytest.fixture(scope="module")
 def workload() -> list[tuple[list[int], int]]:
-    """32 (prompt, output length) pairs: prompts 1-300 tokens, outputs 1-64 tokens."""
+    """16 (prompt, output length) pairs: prompts 1-300 tokens, outputs 1-32 tokens.
+
+    Big enough for what the configurations differ in: four requests for each of the 4 rows,
+    prompts of many 16-token chunks, outputs across page edges. No bigger, because every
+    output token of the reference is a forward of the whole model, one request at a time.
+    """
     tokens, rng = corpus(), random.Random(0)
     out = []
-    for _ in range(32):
+    for _ in range(16):
         n = rng.randint(1, 300)
         start = rng.randrange(len(tokens) - n)
-        out.append((tokens[start : start + n], rng.randint(1, 64)))
+        out.append((tokens[start : start + n], rng.randint(1, 32)))
     return out
 
 
 @pytest.fixture(scope="module")
 def reference(workload) -> list[list[int]]:
+    # Computed once: every configuration and the preemption test compare against it.
     return [hf_greedy(SMOL, ids, n) for ids, n in workload]
 
 
@@ -101,9 +107,9 @@ def test_shared_prefix_comes_from_the_cache() -> None:
 
 
 def test_kv_pool_smaller_than_demand(workload, reference) -> None:
-    # 12 requests want ~2000 tokens of KV at once; the pool holds 512.
-    llm = make_llm(page_size=16, num_page_override=32, max_running_req=16)
-    subset = [i for i, (ids, n) in enumerate(workload) if len(ids) + n > 100][:12]
+    # 11 requests want ~2200 tokens of KV at once; the pool holds 448.
+    llm = make_llm(page_size=16, num_page_override=28, max_running_req=16)
+    subset = [i for i, (ids, n) in enumerate(workload) if len(ids) + n > 100]
     params = [SamplingParams(max_tokens=workload[i][1], ignore_eos=True) for i in subset]
     outputs = llm.generate([workload[i][0] for i in subset], params, use_tqdm=False)
     llm.scheduler.check_integrity()
@@ -138,10 +144,8 @@ def test_outputs_text_strings_and_eos() -> None:
     )
     # the chat answer ends at <|im_end|> (EOS), well before 40 tokens
     assert outputs[0]["finish_reason"] == "stop" and outputs[0]["token_ids"][-1] == 2
-    assert (
-        outputs[0]["token_ids"]
-        == hf_greedy(SMOL, tok.encode(chat), 40)[: len(outputs[0]["token_ids"])]
-    )
+    answer = outputs[0]["token_ids"]
+    assert answer == hf_greedy(SMOL, tok.encode(chat), len(answer))
     assert outputs[0]["text"] == tok.decode(outputs[0]["token_ids"])
     assert "Paris" in outputs[0]["text"]
     assert outputs[1]["finish_reason"] == "length" and len(outputs[1]["token_ids"]) == 5
