@@ -55,7 +55,6 @@ def make_llm(overlap: bool = True) -> LLM:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    torch.set_num_threads(2)
     engine = make_llm()
     assert engine.scheduler.overlap and engine.engine.graph_runner.graph_map
     yield engine
