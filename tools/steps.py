@@ -319,6 +319,9 @@ class Run:
 def run(cmd: list[str], tree_dir: Path, timeout: float, what: str) -> Run:
     # PYTHONPATH is the tree alone, so the repo's own minisgl can never fill in a stripped module.
     env = {**os.environ, "PYTHONPATH": str(tree_dir), "PYTHONDONTWRITEBYTECODE": "1"}
+    # One torch thread unless told otherwise, as in tests/conftest.py: next to a busy core,
+    # two threads wait for each other at every op and a main runs several times slower.
+    env.setdefault("OMP_NUM_THREADS", "1")
     start = time.monotonic()
     # A session of its own, so a timeout also ends the processes the main started.
     out = subprocess.PIPE
