@@ -329,7 +329,7 @@ def test_two_nodes_on_one_host_serve_and_a_dead_rank_stops_the_server(tmp_path: 
         end(node0, node1)
 
 
-# ---- the measuring tools, as commands ---------------------------------------------------
+# ---- the checking tool, as a command ----------------------------------------------------
 
 
 def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -344,15 +344,3 @@ def test_check_tp_passes_prefill_and_decode_at_tp2() -> None:
     done = run_tool("check_tp.py", *args, "--prompt-lens", "9,30", "--output-len", "6")
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "PASS" in done.stdout and "decode:" in done.stdout
-
-
-def test_profile_step_reports_the_decode_steps_it_profiled(tmp_path: Path) -> None:
-    need(TINY["qwen3"])
-    out = tmp_path / "profile.json"
-    args = ("--model", str(TINY["qwen3"]), "--device", "cpu", "--batch-size", "2")
-    done = run_tool("profile_step.py", *args, "--steps", "5", "--output-json", str(out))
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["steps"] == 5 and result["batch_size"] == 2
-    assert result["step_ms"] > 0
-    assert "top host operations" in done.stdout

@@ -1,13 +1,19 @@
 """Chapter 24's helpers on synthetic data: /metrics as prometheus-client writes it, a
-histogram's quantile read from its buckets, the area under a sampled gauge, Little's law."""
+histogram's quantile read from its buckets, the area under a sampled gauge, Little's law;
+and tools/profile_step.py run as a command on a tiny model."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY, need
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,3 +89,25 @@ def test_littles_law_holds_on_a_simulated_queue():
     assert law["L_gauges"] == pytest.approx(law["lambda_W"])
     assert law["L_histogram"] == pytest.approx(law["lambda_W"])
     assert law["lambda_W"] > 1.0  # a queue formed: the check is not about an empty server
+
+
+def test_profile_step_reports_the_decode_steps_it_profiled(tmp_path: Path) -> None:
+    need(TINY["qwen3"])
+    out = tmp_path / "profile.json"
+    args = ("--model", str(TINY["qwen3"]), "--device", "cpu", "--batch-size", "2")
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools/profile_step.py"),
+        *args,
+        "--steps",
+        "5",
+        "--output-json",
+        str(out),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] == 5 and result["batch_size"] == 2
+    assert result["step_ms"] > 0
+    assert "top host operations" in done.stdout
