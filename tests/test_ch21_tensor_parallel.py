@@ -327,20 +327,3 @@ def test_two_nodes_on_one_host_serve_and_a_dead_rank_stops_the_server(tmp_path: 
         assert gone(tree_of(node0.pid) + node1_pids, 10)
     finally:
         end(node0, node1)
-
-
-# ---- the checking tool, as a command ----------------------------------------------------
-
-
-def run_tool(script: str, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(Path(__file__).parents[1] / "tools" / script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-
-
-def test_check_tp_passes_prefill_and_decode_at_tp2() -> None:
-    need(TINY["qwen3"])
-    args = ("--model", str(TINY["qwen3"]), "--device", "cpu", "--tp-size", "2")
-    done = run_tool("check_tp.py", *args, "--prompt-lens", "9,30", "--output-len", "6")
-    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
-    assert "PASS" in done.stdout and "decode:" in done.stdout

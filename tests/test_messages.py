@@ -275,7 +275,6 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def scheduler(tok: Tokenizer) -> Iterator[Scheduler]:
-    torch.set_num_threads(1)  # the test machine's cores are shared
     config = SchedulerConfig(
         str(SMOL),
         dtype=torch.float32,

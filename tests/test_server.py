@@ -215,7 +215,6 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[LLM]:
-    torch.set_num_threads(1)
     engine = LLM(
         str(need(SMOL)),
         dtype=torch.float32,
