@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,13 @@ def need(path: Path) -> Path:
     if not (path / "config.json").is_file():
         pytest.fail(f"{path} is missing: run `make models`")
     return path
+
+
+def run_tool(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """tools/<script> as a command, on this interpreter. Its torch threads follow
+    OMP_NUM_THREADS, which conftest.py sets for this process and so for its children."""
+    cmd = [sys.executable, str(ROOT / "tools" / script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
 @functools.cache

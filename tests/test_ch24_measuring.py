@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY, need
+from helpers import TINY, need, run_tool
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,17 +92,7 @@ def test_profile_step_reports_the_decode_steps_it_profiled(tmp_path: Path) -> No
     need(TINY["qwen3"])
     out = tmp_path / "profile.json"
     args = ("--model", str(TINY["qwen3"]), "--device", "cpu", "--batch-size", "2")
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools/profile_step.py"),
-        *args,
-        "--steps",
-        "5",
-        "--output-json",
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = run_tool("profile_step.py", *args, "--steps", "5", "--output-json", str(out))
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["steps"] == 5 and result["batch_size"] == 2
