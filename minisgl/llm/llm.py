@@ -10,23 +10,13 @@ import torch
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
+from minisgl.llm.logprobs import add_logprobs  # [ch25]
 from minisgl.message.backend import (
     StopMsg,  # [ch21]
-    TokenMsg,
     UserMsg,
 )
-from minisgl.models.config import ModelConfig  # [ch21]
 from minisgl.scheduler.config import SchedulerConfig
-
-# >>> ch21
-from minisgl.scheduler.io import (
-    share_messages,
-    start_followers,
-    stop_followers,
-    with_rendezvous,
-)
-
-# <<< ch21
+from minisgl.scheduler.ranks import share_messages, start_followers, stop_followers  # [ch21]
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.tokenizer import Tokenizer
 
@@ -41,11 +31,9 @@ class LLM:
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         config = SchedulerConfig(model_path, dtype=dtype, device=device, **kwargs)
-        # >>> ch21 this process is rank 0; ranks 1..tp_size-1 get processes of their own
-        ModelConfig.from_path(model_path).check_tp(config.tp_size)  # before any starts
-        config = with_rendezvous(config)
-        self._followers = start_followers(config)
-        # Ended when this LLM goes unless shut down before, even if it never finished starting.
+        # >>> ch21 this process is rank 0; ranks 1..tp_size-1 get processes of their own,
+        # ended when this LLM goes unless shut down before, even if it never finished starting
+        config, self._followers = start_followers(config)
         weakref.finalize(self, stop_followers, self._followers, 0.0)
         # <<< ch21
         self.scheduler = Scheduler(config, self.tokenizer.eos_token_ids)
@@ -89,15 +77,13 @@ class LLM:
                 result = results[out.uid]
                 result["token_ids"].append(out.token)
                 result["cached_tokens"] = out.cached_tokens
-                _add_logprobs(result, out)  # [ch25]
+                add_logprobs(result, out)  # [ch25]
                 if out.finished:
                     result["finish_reason"] = out.finish_reason
                     remaining -= 1
                     bar.update()
-            # >>> ch21 every step of every rank follows one share: nothing new, step again
-            if remaining:
-                share_messages([])
-            # <<< ch21
+            if remaining:  # every step of every rank follows one share: nothing new  # [ch21]
+                share_messages([])  # [ch21]
         bar.close()
         outputs = [results[m.uid] for m in msgs]
         for out in outputs:
@@ -115,17 +101,3 @@ class LLM:
         share_messages([StopMsg()])  # the other ranks leave their loops  # [ch21]
         self.scheduler.shutdown()
         stop_followers(self._followers)  # [ch21]
-
-
-# >>> ch25
-def _add_logprobs(result: dict[str, Any], out: TokenMsg) -> None:
-    if out.logprob is not None:
-        top = dict(zip(out.top_ids or [], out.top_logprobs or []))
-        result.setdefault("logprobs", []).append({"logprob": out.logprob, "top": top})
-    if (prompt := out.prompt_logprobs) is not None:
-        tops = [dict(zip(i, v)) for i, v in zip(prompt.top_ids, prompt.top_logprobs)]
-        rest = [{"logprob": v, "top": t} for v, t in zip(prompt.logprobs, tops)]
-        result["prompt_logprobs"] = [None, *rest]
-
-
-# <<< ch25

@@ -28,10 +28,8 @@ class CacheManager:
         self.host_table = torch.zeros_like(page_table, device="cpu")
         self.allocator = PageAllocator(num_pages)
         self.cache: BasePrefixCache = NaiveCache()
-        # >>> ch11 the radix prefix cache
-        if cache_type == "radix":
-            self.cache = RadixCache(page_size)
-        # <<< ch11
+        if cache_type == "radix":  # [ch11]
+            self.cache = RadixCache(page_size)  # [ch11]
 
     @property
     def available_pages(self) -> int:

@@ -27,12 +27,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.core import Req
+from minisgl.core import Req, SamplingParams
 from minisgl.engine.bias import TokenMask
 from minisgl.utils import cdiv
 
 if TYPE_CHECKING:
     import xgrammar
+
+    from minisgl.engine.engine import Engine
+    from minisgl.scheduler.scheduler import InFlight
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,15 @@ class Grammars:
         self._compiler: xgrammar.GrammarCompiler | None = None
         self.matchers: dict[int, xgrammar.GrammarMatcher] = {}
 
+    def check(self, params: SamplingParams) -> None:
+        """Raise ValueError if the request's logit bias or JSON schema cannot be used."""
+        if not all(0 <= t < self.vocab_size for t in params.logit_bias):
+            raise ValueError(
+                f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size})"
+            )
+        if params.json_schema is not None:
+            self.compile(params.json_schema)  # compiled once; ValueError if unusable
+
     def compile(self, json_schema: str) -> xgrammar.CompiledGrammar:
         """The schema's grammar (compiled once per schema); ValueError if it cannot be used."""
         compiler = self._compiler or self._load()
@@ -57,10 +69,12 @@ class Grammars:
             reason = str(e).strip().splitlines()[0].split(": ", 1)[-1]
             raise ValueError(f"the JSON schema cannot be used: {reason}") from None
 
-    def add(self, uid: int, json_schema: str) -> None:
-        import xgrammar
+    def add(self, uid: int, params: SamplingParams) -> None:
+        """A matcher for the request, if it has a JSON schema."""
+        if params.json_schema is not None:
+            import xgrammar
 
-        self.matchers[uid] = xgrammar.GrammarMatcher(self.compile(json_schema))
+            self.matchers[uid] = xgrammar.GrammarMatcher(self.compile(params.json_schema))
 
     def remove(self, uid: int) -> None:
         self.matchers.pop(uid, None)
@@ -91,6 +105,13 @@ class Grammars:
             else:
                 matcher.fill_next_token_bitmask(bits, j)
         return TokenMask.from_host(rows, bits, device)
+
+    def sample(self, flight: InFlight, engine: Engine) -> None:
+        """Sample a step whose forward was launched alone, masked (once the step before has
+        been processed: the matchers have then seen its tokens)."""
+        assert flight.logits is not None
+        flight.logits.token_mask = self.mask(flight.batch.reqs, flight.emits, engine.device)
+        flight.output, flight.logits = engine.sample_logits(flight.logits), None
 
     def _load(self) -> xgrammar.GrammarCompiler:
         start = time.perf_counter()

@@ -14,6 +14,7 @@ import torch
 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.logprobs import prompt_logprobs_due  # [ch25]
 from minisgl.scheduler.table import TableManager
 from minisgl.utils import cdiv, common_prefix_len
 
@@ -91,19 +92,12 @@ class PrefillManager:
     def _admit(self, pending: PendingReq, budget: int, reserve_pages: int) -> Req | None:
         """Start `pending` now, or return None if the KV cache cannot take it yet."""
         ids = pending.input_ids
-        # >>> ch25 prompt log-probabilities need the logits of every prompt position, so
-        # nothing comes from the cache (once they are sent, a recompute may use it)
-        wants_prompt_logprobs = pending.sampling_params.prompt_logprobs and (
-            pending.cached_tokens is None
-        )
-        if wants_prompt_logprobs:
-            ids = ids[:1]  # matches nothing: the cache always leaves the last token to compute
-        # <<< ch25
+        wants_prompt_logprobs = prompt_logprobs_due(pending)  # [ch25]
+        if wants_prompt_logprobs:  # every position's logits: none from the cache  # [ch25]
+            ids = ids[:1]  # matches nothing: the last token is always computed  # [ch25]
         match = self.cache.match(ids)
         n = len(pending.input_ids) - match.length
-        # >>> ch10 cut the prompt to the budget; the rest comes in the next rounds
-        n = min(n, budget)
-        # <<< ch10
+        n = min(n, budget)  # cut to the budget; the rest comes in the next rounds  # [ch10]
         pages = cdiv(match.length + n, self.cache.page_size) - match.length // self.cache.page_size
         self.cache.cache.lock(match.node)  # so the check below does not count it as evictable
         fits = pages + reserve_pages <= self.cache.available_pages

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,16 +22,12 @@ from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine, ForwardOutput, StepLogits
 from minisgl.engine.limits import EngineLimits
 from minisgl.env import ENV  # [ch12]
-from minisgl.message.backend import (
-    AbortMsg,
-    PromptLogprobs,  # [ch25]
-    TokenMsg,
-    UserMsg,
-)
+from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
+from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
 
@@ -65,31 +62,35 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
         self.num_preemptions = 0
-        # >>> ch25
-        self.grammars = Grammars(config.model_path, limits.vocab_size, eos_token_ids)
-        self._prompt_logprobs: dict[int, PromptLogprobs] = {}  # gathered over a prompt's chunks
-        # <<< ch25
+        self.grammars = Grammars(config.model_path, limits.vocab_size, eos_token_ids)  # [ch25]
+        self.logprobs = LogprobCollector()  # [ch25]
 
     # ---- requests in ----------------------------------------------------------------------
+
+    def receive(self, messages: list[Any]) -> list[TokenMsg]:
+        """Apply new messages; the refusals of requests that can never run come back."""
+        refused = []
+        for msg in messages:
+            if isinstance(msg, AbortMsg):
+                self.abort(msg)
+            elif isinstance(msg, UserMsg):
+                try:
+                    self.add_request(msg)
+                except ValueError as e:  # the tokenizer checks first; this is the last line
+                    refused.append(TokenMsg(msg.uid, -1, True, None, 0, error=str(e)))
+        return refused
 
     def validate(self, msg: UserMsg) -> None:
         """Raise ValueError if the request can never run; nothing is changed."""
         self.limits.check_prompt(msg.input_ids)
-        # >>> ch25
-        params, vocab = msg.sampling_params, self.limits.vocab_size
-        if not all(0 <= t < vocab for t in params.logit_bias):
-            raise ValueError(f"logit_bias has token ids outside the vocabulary [0, {vocab})")
-        if params.json_schema is not None:
-            self.grammars.compile(params.json_schema)  # compiled once; ValueError if unusable
-        # <<< ch25
+        self.grammars.check(msg.sampling_params)  # [ch25]
 
     def add_request(self, msg: UserMsg) -> None:
         self.validate(msg)
         max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, self.limits.max_req_len)
         ids = torch.tensor(msg.input_ids, dtype=torch.int32)
         self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len, len(ids)))
-        if msg.sampling_params.json_schema is not None:  # [ch25]
-            self.grammars.add(msg.uid, msg.sampling_params.json_schema)  # [ch25]
+        self.grammars.add(msg.uid, msg.sampling_params)  # [ch25]
 
     def abort(self, msg: AbortMsg) -> None:
         for pending in list(self.prefill.pending):
@@ -114,10 +115,8 @@ class Scheduler:
         if self.overlap:
             if self._in_flight is not None:
                 messages += self._process(self._in_flight)
-            # >>> ch25 the matchers have now seen the step before: this step can be masked
-            if launched is not None and launched.output is None:
-                self._sample(launched)
-            # <<< ch25
+            if launched is not None and launched.output is None:  # [ch25]
+                self.grammars.sample(launched, self.engine)  # N's tokens are in  # [ch25]
             self._in_flight = launched
             return messages
         # <<< ch12
@@ -176,27 +175,13 @@ class Scheduler:
         return flight
 
     def _forward(self, batch: Batch, emits: list[bool]) -> InFlight:
-        # >>> ch25 a grammar's mask needs each request's previous token. Without overlap the
-        # host has it: mask now. With overlap it is not processed yet: launch the forward
-        # alone now, and sample in `step` once the step before is processed.
-        if self.grammars.constrains(batch.reqs):
-            flight = InFlight(batch, None, emits, self.engine.forward_logits(batch))
-            if not self.overlap:
-                self._sample(flight)
-            return flight
-        # <<< ch25
+        if self.grammars.constrains(batch.reqs):  # masked once the step before is in  # [ch25]
+            return InFlight(batch, None, emits, self.engine.forward_logits(batch))  # [ch25]
         return InFlight(batch, self.engine.forward_batch(batch), emits)
 
-    # >>> ch25
-    def _sample(self, flight: InFlight) -> None:
-        assert flight.logits is not None
-        masks = self.grammars.mask(flight.batch.reqs, flight.emits, self.engine.device)
-        flight.logits.token_mask = masks
-        flight.output = self.engine.sample_logits(flight.logits)
-        flight.logits = None
-
-    # <<< ch25
     def _process(self, flight: InFlight) -> list[TokenMsg]:
+        if flight.output is None:  # without overlap, the step before is processed  # [ch25]
+            self.grammars.sample(flight, self.engine)  # [ch25]
         output = flight.output
         assert output is not None, "a step is processed only once it is sampled"
         if output.copy_done is not None:
@@ -205,7 +190,7 @@ class Scheduler:
         tokens = output.next_tokens_cpu.tolist()
         logprobs = output.logprobs_cpu
         logprobs = logprobs.tolist() if logprobs is not None else [None] * len(tokens)
-        self._gather_prompt_logprobs(flight)  # [ch25]
+        self.logprobs.gather(flight.batch.reqs, output, self.reqs)  # [ch25]
         rows = zip(flight.batch.reqs, flight.emits, tokens, logprobs)
         for i, (req, emit, token, logprob) in enumerate(rows):
             if not emit or self.reqs.get(req.uid) is not req:
@@ -215,38 +200,11 @@ class Scheduler:
             if not req.sampling_params.logprobs:
                 logprob = None
             msg = TokenMsg(req.uid, token, reason is not None, reason, req.cached_tokens, logprob)
-            self._attach_logprobs(msg, req, output, i)  # [ch25]
+            self.logprobs.attach(msg, req, output, i)  # [ch25]
             messages.append(msg)
             if reason is not None:
                 self._finish(req)
         return messages
-
-    # >>> ch25
-    def _gather_prompt_logprobs(self, flight: InFlight) -> None:
-        """Keep the prompt log-probabilities of this forward's chunks, until the first token."""
-        lp = flight.output.prompt_logprobs if flight.output is not None else None
-        if lp is None:
-            return
-        reqs = flight.batch.reqs
-        parts = lp.split([r.sampling_params.top_logprobs for r in reqs])
-        for req, (values, top_ids, top_values) in zip(reqs, parts):
-            if req.wants_prompt_logprobs and self.reqs.get(req.uid) is req:
-                ids = req.input_ids[: req.prompt_len].tolist()
-                kept = self._prompt_logprobs.setdefault(req.uid, PromptLogprobs(ids, [], [], []))
-                kept.logprobs += values
-                kept.top_ids += top_ids
-                kept.top_logprobs += top_values
-
-    def _attach_logprobs(self, msg: TokenMsg, req: Req, output: ForwardOutput, i: int) -> None:
-        params = req.sampling_params
-        if params.logprobs and params.top_logprobs and output.top_ids_cpu is not None:
-            msg.top_ids = output.top_ids_cpu[i, : params.top_logprobs].tolist()
-            msg.top_logprobs = output.top_logprobs_cpu[i, : params.top_logprobs].tolist()
-        if req.wants_prompt_logprobs:
-            msg.prompt_logprobs = self._prompt_logprobs.pop(req.uid, None)
-            req.wants_prompt_logprobs = False  # sent; a later recompute need not redo them
-
-    # <<< ch25
 
     def _drain(self) -> None:
         if self._in_flight is not None:
@@ -269,7 +227,7 @@ class Scheduler:
         self._release(req)
         del self.reqs[req.uid]
         self.grammars.remove(req.uid)  # [ch25]
-        self._prompt_logprobs.pop(req.uid, None)  # [ch25]
+        self.logprobs.remove(req.uid)  # [ch25]
 
     def _release(self, req: Req) -> None:
         """Give back the request's row and pages (its computed prefix stays cached)."""

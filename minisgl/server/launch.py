@@ -14,6 +14,7 @@ import sys
 
 import uvicorn
 
+from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
 from minisgl.server.api_server import Frontend, create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.processes import ProcessTree
@@ -60,14 +61,10 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
 
 
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:
-    # >>> ch21 a machine that hosts ranks only serves nothing: it waits for them
-    if args.node_rank > 0:
-        return await tree.wait()
-    # <<< ch21
-    # >>> ch17 the shell instead of the HTTP server
-    if args.shell:
-        return await run_shell(Frontend(tree.ipc_dir), tree)
-    # <<< ch17
+    if args.node_rank > 0:  # a machine that hosts ranks only serves nothing  # [ch21]
+        return await wait_for_ranks(tree.procs)  # [ch21]
+    if args.shell:  # the shell instead of the HTTP server  # [ch17]
+        return await run_shell(Frontend(tree.ipc_dir), tree)  # [ch17]
     return await _serve(args, tree)
 
 

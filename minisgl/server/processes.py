@@ -4,47 +4,37 @@ Its own module so that both front ends (the HTTP server in launch.py, the shell 
 shell.py) can hold a ProcessTree without importing each other. Workers talk over ipc
 sockets in a private temporary folder (mode 0700); startup waits for each worker's
 ready message, so a worker that cannot start fails the launch instead of hanging it.
-Each worker names itself `minisgl::<name>` (when setproctitle is installed), so that `ps`
-and `top` tell them apart from each other and from the launcher.
+Each worker names itself `minisgl::<name>`, so that `ps` and `top` tell them apart from
+each other and from the launcher.
 """
 
 from __future__ import annotations
 
-import asyncio  # [ch21]
 import logging
 import multiprocessing as mp
 import shutil
 import signal
 import tempfile
 import time
-from dataclasses import replace  # [ch21]
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import zmq
+from setproctitle import setproctitle
 
 from minisgl.engine.limits import EngineLimits
 from minisgl.message.frontend import ReadyMsg
 from minisgl.message.transport import Reader, address
-from minisgl.scheduler.io import (
-    run_follower,  # [ch21]
-    run_scheduler_worker,
-    with_rendezvous,  # [ch21]
-)
+from minisgl.scheduler.io import run_scheduler_worker
+from minisgl.scheduler.ranks import start_followers  # [ch21]
 from minisgl.server.args import ServerArgs
 from minisgl.tokenizer.worker import run_tokenizer_worker
-
-try:
-    from setproctitle import setproctitle
-except ModuleNotFoundError:  # only the names in `ps` are lost
-    setproctitle = None
 
 logger = logging.getLogger("minisgl")
 
 
 def _worker(name: str, target: Any, *args: Any) -> None:
-    if setproctitle is not None:
-        setproctitle(f"minisgl::{name}")
+    setproctitle(f"minisgl::{name}")
     # Ctrl-C reaches the whole process group; only the launcher decides how to stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     target(*args)
@@ -62,11 +52,8 @@ class ProcessTree:
         level = self.args.log_level
         config = self.args.scheduler
         # >>> ch21 this machine's other ranks first: rank 0 cannot start until all have joined
-        config = with_rendezvous(config)
-        per_node = config.tp_size // config.nnodes
-        first = self.args.node_rank * per_node
-        for rank in range(max(first, 1), first + per_node):
-            self._spawn(f"scheduler-{rank}", run_follower, replace(config, tp_rank=rank), level)
+        config, ranks = start_followers(config, level, self.args.node_rank)
+        self.procs += ranks
         if self.args.node_rank > 0:
             return  # a machine without rank 0 hosts ranks only: no tokenizer, no API
         # <<< ch21
@@ -100,16 +87,6 @@ class ProcessTree:
                 return msg.info
             if (proc := self.dead()) is not None:  # it, or a rank it waits for
                 raise RuntimeError(f"the {proc.name} worker exited with code {proc.exitcode}")
-
-    # >>> ch21
-    async def wait(self) -> int:
-        """On a machine that hosts ranks only: wait until one ends; 0 if it ended cleanly."""
-        while (proc := self.dead()) is None:
-            await asyncio.sleep(0.5)
-        logger.info("%s exited with code %s", proc.name, proc.exitcode)
-        return 0 if proc.exitcode == 0 else 1
-
-    # <<< ch21
 
     def dead(self) -> BaseProcess | None:
         return next((p for p in self.procs if not p.is_alive()), None)
