@@ -29,7 +29,6 @@ from minisgl.engine.limits import EngineLimits
 from minisgl.message import backend, frontend
 from minisgl.message.backend import (
     AbortMsg,
-    PromptLogprobs,  # [ch25]
     SchedulerOutput,
     SchedulerStats,
     StopMsg,  # [ch21]
@@ -43,8 +42,8 @@ from minisgl.message.frontend import (
     ReadyMsg,
     RejectedMsg,
     TokenizeMsg,
-    TokenLogprob,  # [ch25]
 )
+from minisgl.message.logprobs import PromptLogprobs, TokenLogprob  # [ch25]
 from minisgl.message.transport import AsyncReader, AsyncWriter, Reader, Writer, address
 from minisgl.scheduler import io
 from minisgl.scheduler.config import SchedulerConfig
@@ -131,12 +130,13 @@ MESSAGES = [
 
 
 def message_types() -> set[type]:
+    # What the codec decodes: the dataclasses the message modules define or import.
     return {
         cls
         for module in (backend, frontend)
         for cls in vars(module).values()
-        if dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__
-    }
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+    } - {SamplingParams}
 
 
 # ---- the codec ----------------------------------------------------------------------------

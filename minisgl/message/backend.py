@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.core import SamplingParams
+from minisgl.message.logprobs import PromptLogprobs  # [ch25]
 
 
 @dataclass
@@ -32,25 +33,9 @@ class TokenMsg:
     cached_tokens: int  # prompt tokens served from the prefix cache
     logprob: float | None = None
     error: str | None = None
-    # >>> ch25 what the request asked for beyond the chosen token's log-probability
-    top_ids: list[int] | None = None  # the likeliest tokens at this position, best first
-    top_logprobs: list[float] | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # with the request's first token
-    # <<< ch25
-
-
-# >>> ch25
-@dataclass
-class PromptLogprobs:
-    """How likely each prompt token was after the ones before it (the first has no value)."""
-
-    token_ids: list[int]  # the whole prompt
-    logprobs: list[float]  # one per token after the first
-    top_ids: list[list[int]]  # per token after the first: the likeliest tokens there
-    top_logprobs: list[list[float]]
-
-
-# <<< ch25
+    top_ids: list[int] | None = None  # the likeliest tokens here, best first  # [ch25]
+    top_logprobs: list[float] | None = None  # [ch25]
+    prompt_logprobs: PromptLogprobs | None = None  # with the request's first token  # [ch25]
 
 
 # >>> ch21

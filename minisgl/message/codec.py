@@ -2,7 +2,8 @@
 
 Each message is a map with its type's name under "_t"; nested dataclasses (the
 SamplingParams inside a request) are encoded the same way. Only the types registered
-here can be decoded, so a peer cannot make us build arbitrary objects.
+here can be decoded, so a peer cannot make us build arbitrary objects: the dataclasses
+that the message modules define or import, which are the messages and what they carry.
 """
 
 from __future__ import annotations
@@ -12,16 +13,14 @@ from typing import Any
 
 import msgpack
 
-from minisgl.core import SamplingParams
 from minisgl.message import backend, frontend
 
 _TYPES: dict[str, type] = {
     cls.__name__: cls
     for module in (backend, frontend)
     for cls in vars(module).values()
-    if dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__
+    if isinstance(cls, type) and dataclasses.is_dataclass(cls)
 }
-_TYPES["SamplingParams"] = SamplingParams
 
 
 def _to_plain(obj: Any) -> Any:

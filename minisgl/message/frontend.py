@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.core import SamplingParams
+from minisgl.message.logprobs import TokenLogprob  # [ch25]
 
 
 @dataclass
@@ -51,26 +52,10 @@ class DeltaMsg:
     finished: bool
     finish_reason: str | None
     cached_tokens: int
-    # >>> ch25 logprobs as the API shows them
-    token_bytes: list[int] | None = None  # the token's own bytes (UTF-8 may span tokens)
-    top_logprobs: list[TokenLogprob] | None = None
-    prompt_text: str | None = None  # echo, on the first delta: the prompt as text
-    prompt_logprobs: list[TokenLogprob] | None = None  # and its tokens (the first: logprob None)
-    # <<< ch25
-
-
-# >>> ch25
-@dataclass
-class TokenLogprob:
-    """One token, how likely it was, and (for a chosen token) the likeliest alternatives."""
-
-    token: str
-    logprob: float | None
-    bytes: list[int]
-    top: list[TokenLogprob] = field(default_factory=list)
-
-
-# <<< ch25
+    token_bytes: list[int] | None = None  # its own bytes (UTF-8 may span tokens)  # [ch25]
+    top_logprobs: list[TokenLogprob] | None = None  # [ch25]
+    prompt_text: str | None = None  # echo, on the first delta: the prompt  # [ch25]
+    prompt_logprobs: list[TokenLogprob] | None = None  # the first's logprob is None  # [ch25]
 
 
 @dataclass

@@ -15,7 +15,6 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import decoders  # [ch25]
 
 
 class Tokenizer:
@@ -23,7 +22,8 @@ class Tokenizer:
         path = Path(model_path)
         if not (path / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{path / 'tokenizer.json'} not found")
-        self._tok = RustTokenizer.from_file(str(path / "tokenizer.json"))
+        # The `tokenizers` object itself, for what this class does not wrap.
+        self.rust = RustTokenizer.from_file(str(path / "tokenizer.json"))
         config = _read_json(path / "tokenizer_config.json")
         template_file = path / "chat_template.jinja"
         template = template_file.read_text() if template_file.is_file() else None
@@ -31,25 +31,14 @@ class Tokenizer:
         self.bos_token: str | None = _token_text(config.get("bos_token"))
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.eos_token_ids = self._eos_ids(path)
-        self.vocab_size = self._tok.get_vocab_size()
-        self._byte_level = isinstance(self._tok.decoder, decoders.ByteLevel)  # [ch25]
+        self.vocab_size = self.rust.get_vocab_size()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.rust.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return self.rust.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    # >>> ch25
-    def token_bytes(self, token_id: int) -> bytes:
-        """A token's own bytes. With byte-level BPE a token may hold part of a UTF-8
-        character, which decoding the token alone turns into U+FFFD."""
-        piece = self._tok.id_to_token(token_id) if self._byte_level else None
-        if piece is not None and all(c in _BYTE_OF_CHAR for c in piece):
-            return bytes(_BYTE_OF_CHAR[c] for c in piece)
-        return self.decode([token_id], skip_special_tokens=False).encode()
-
-    # <<< ch25
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str:
@@ -67,24 +56,11 @@ class Tokenizer:
         ids: set[int] = set()
         eos = _read_json(path / "generation_config.json").get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if self.eos_token is not None and (i := self._tok.token_to_id(self.eos_token)) is not None:
+        if self.eos_token is not None and (i := self.rust.token_to_id(self.eos_token)) is not None:
             ids.add(i)
         return ids
 
 
-# >>> ch25
-def _byte_level_alphabet() -> dict[str, int]:
-    # Byte-level BPE spells every byte as a printable character: the printable Latin-1
-    # bytes stand for themselves, the other 68 are moved, in order, to U+0100 and up.
-    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    moved = [b for b in range(256) if b not in kept]
-    return {chr(b): b for b in kept} | {chr(0x100 + i): b for i, b in enumerate(moved)}
-
-
-_BYTE_OF_CHAR = _byte_level_alphabet()
-
-
-# <<< ch25
 def _read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 

@@ -20,10 +20,10 @@ from minisgl.message.frontend import (
     ReadyMsg,
     RejectedMsg,
     TokenizeMsg,
-    TokenLogprob,  # [ch25]
 )
 from minisgl.message.transport import Reader, Writer, address
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
+from minisgl.tokenizer.logprobs import LogprobTexts  # [ch25]
 from minisgl.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class TokenizerWorker:
         self.poller.register(self.from_api.socket, zmq.POLLIN)
         self.poller.register(self.from_scheduler.socket, zmq.POLLIN)
         self.detoks: dict[int, IncrementalDetokenizer] = {}
-        self.echoes: dict[int, str] = {}  # prompt texts for the first delta  # [ch25]
+        self.logprob_texts = LogprobTexts(self.tokenizer)  # [ch25]
 
     def run(self) -> None:
         parent = os.getppid()
@@ -56,7 +56,7 @@ class TokenizerWorker:
 
     def handle_api(self, msg: TokenizeMsg | AbortMsg) -> None:
         if isinstance(msg, AbortMsg):
-            self.echoes.pop(msg.uid, None)  # [ch25]
+            self.logprob_texts.forget(msg.uid)  # [ch25]
             if self.detoks.pop(msg.uid, None) is not None:
                 self.to_scheduler.send(msg)
             return
@@ -70,8 +70,7 @@ class TokenizerWorker:
         self.detoks[msg.uid] = IncrementalDetokenizer(
             self.tokenizer, ids, msg.stop, msg.skip_special_tokens
         )
-        if msg.echo:  # [ch25]
-            self.echoes[msg.uid] = msg.prompt or self.tokenizer.decode(ids, False)  # [ch25]
+        self.logprob_texts.accept(msg, ids)  # [ch25]
         self.to_api.send(AcceptedMsg(msg.uid, len(ids)))
         self.to_scheduler.send(UserMsg(msg.uid, ids, msg.sampling_params))
 
@@ -98,7 +97,7 @@ class TokenizerWorker:
             return  # aborted, or already cut at a stop string
         if msg.error is not None:
             del self.detoks[msg.uid]
-            self.echoes.pop(msg.uid, None)  # [ch25]
+            self.logprob_texts.forget(msg.uid)  # [ch25]
             self.to_api.send(RejectedMsg(msg.uid, msg.error))
             return
         text = detok.add(msg.token)
@@ -116,34 +115,8 @@ class TokenizerWorker:
         delta = DeltaMsg(
             msg.uid, text, msg.token, token_text, msg.logprob, finished, reason, msg.cached_tokens
         )
-        self.add_logprobs(delta, msg)  # [ch25]
+        self.logprob_texts.add(delta, msg)  # [ch25]
         self.to_api.send(delta)
-
-    # >>> ch25
-    def add_logprobs(self, delta: DeltaMsg, msg: TokenMsg) -> None:
-        """Token ids to text and bytes, for the logprobs the request asked for; and echo."""
-        delta.prompt_text = self.echoes.pop(msg.uid, None)
-        if msg.logprob is not None:
-            delta.token_bytes = list(self.tokenizer.token_bytes(msg.token))
-        if msg.top_ids is not None and msg.top_logprobs is not None:
-            delta.top_logprobs = self.token_logprobs(msg.top_ids, msg.top_logprobs)
-        if (prompt := msg.prompt_logprobs) is not None:
-            first, *rest = prompt.token_ids
-            tops = [self.token_logprobs(i, v) for i, v in zip(prompt.top_ids, prompt.top_logprobs)]
-            delta.prompt_logprobs = [self.token_logprob(first, None)] + [
-                self.token_logprob(t, v, top) for t, v, top in zip(rest, prompt.logprobs, tops)
-            ]
-
-    def token_logprobs(self, ids: list[int], values: list[float]) -> list[TokenLogprob]:
-        return [self.token_logprob(t, v) for t, v in zip(ids, values)]
-
-    def token_logprob(
-        self, token: int, value: float | None, top: list[TokenLogprob] | None = None
-    ) -> TokenLogprob:
-        text = self.tokenizer.decode([token], skip_special_tokens=False)
-        return TokenLogprob(text, value, list(self.tokenizer.token_bytes(token)), top or [])
-
-    # <<< ch25
 
 
 def run_tokenizer_worker(
