@@ -21,7 +21,7 @@ torch.manual_seed(0)
 # What the engine will set up for us later: a pool, a page table, a backend, a context.
 pool = MHAKVCache(1, 16, PAGE_SIZE, KV_HEADS, HEAD_DIM, torch.float32, cpu)
 page_table = torch.zeros((2, 16), dtype=torch.int32)
-backend = TorchAttnBackend(pool, page_table, scale=HEAD_DIM**-0.5)
+backend = TorchAttnBackend(pool, page_table, scale=HEAD_DIM**-0.5, num_qo_heads=HEADS)
 ctx = Context(backend)
 set_global_ctx(ctx)
 rope = get_rope(HEAD_DIM, 10000.0, 64, cpu)

@@ -42,7 +42,7 @@ def prefill(path: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     )
     page_table = torch.zeros((1, num_pages * PAGE_SIZE), dtype=torch.int32)
     page_table[0] = page_slots(list(range(num_pages)), PAGE_SIZE)
-    backend = TorchAttnBackend(pool, page_table, scale=config.head_dim**-0.5)
+    backend = TorchAttnBackend(pool, page_table, config.head_dim**-0.5, config.num_heads)
     ctx = Context(backend)
     set_global_ctx(ctx)
 

@@ -24,7 +24,7 @@ dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 print("backends (best first):")
 for name, cls in BACKENDS.items():
     why = cls.unavailable_reason(device, dtype, 16) or "can run here"
-    print(f"  {name:6s} devices={cls.devices} cuda_graphs={cls.supports_cuda_graphs}: {why}")
+    print(f"  {name:6s} devices={cls.devices} cuda_graphs={cls.cuda_graphs}: {why}")
 print(f"auto on {device.type} with {dtype}: {select_backend('auto', device, dtype, 16).name}")
 
 # FlashInfer's view of two requests (5 and 11 tokens) in pages of 4 tokens.

@@ -29,9 +29,9 @@ def run(mode):
     runner.replay = logged
     out = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     out += [o["token_ids"] for o in llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)]
-    shapes, segments = sorted(runner.prefill_graph_map), None
+    shapes, segments = sorted(runner.graphs("prefill")), None
     if mode == "breakable":
-        graph = runner.prefill_graph_map[shapes[0]]
+        graph = runner.graphs("prefill")[shapes[0]]
         segments = (len(graph.segments) or len(graph.breaks) + 1, len(graph.breaks))
     llm.shutdown()
     return out, shapes, log, segments

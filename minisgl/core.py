@@ -8,12 +8,13 @@ layer deep inside the model can find its positions and attention metadata withou
 
 from __future__ import annotations
 
+import functools  # [ch23]
 import json  # [ch25]
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import torch
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
 
 
+F = TypeVar("F", bound=Callable[..., torch.Tensor])  # [ch23]
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API  # [ch25]
 
 
@@ -227,6 +229,7 @@ class Context:
     def __init__(self, attn_backend: BaseAttnBackend) -> None:
         self.attn_backend = attn_backend
         self._batch: Batch | None = None
+        self.breakable: Any = None  # the breakable graph being captured or replayed  # [ch23]
 
     @property
     def batch(self) -> Batch:
@@ -254,3 +257,19 @@ def set_global_ctx(ctx: Context | None) -> None:
 def get_global_ctx() -> Context:
     assert _GLOBAL_CTX is not None, "no global Context: create an Engine first"
     return _GLOBAL_CTX
+
+
+# >>> ch23
+def eager_on_graph(fn: F) -> F:
+    """Run `fn` eagerly between two graph segments while a breakable graph is captured or
+    replayed (engine/breakable.py); anywhere else it is a plain call."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+        graph = _GLOBAL_CTX.breakable if _GLOBAL_CTX is not None else None
+        return fn(*args, **kwargs) if graph is None else graph.break_at(fn, args, kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+# <<< ch23

@@ -49,7 +49,7 @@ class Setup:
         for row in range(ROWS):
             mine = pages[row * per_row : (row + 1) * per_row]
             self.page_table[row] = page_slots(mine, page_size)
-        self.backend = TorchAttnBackend(self.pool, self.page_table, SCALE)
+        self.backend = TorchAttnBackend(self.pool, self.page_table, SCALE, Q_HEADS)
         self.gen = torch.Generator().manual_seed(seed)
         # full per-row q/k/v of every position, per layer, so the reference sees all of it
         self.q = torch.randn(LAYERS, ROWS, MAX_POS, Q_HEADS, HEAD_DIM, generator=self.gen)

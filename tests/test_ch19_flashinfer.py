@@ -25,7 +25,7 @@ from minisgl.attention.registry import BACKENDS, select_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.graph import GraphRunner
+from minisgl.engine.graph import GraphKind, GraphPlan, GraphRunner, GraphShape
 from minisgl.utils import cdiv
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -36,8 +36,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 def test_registry_declares_devices_and_graph_support() -> None:
     assert BACKENDS["torch"].devices == ("cpu", "cuda")
-    assert BACKENDS["fi"].devices == ("cuda",) and BACKENDS["fi"].supports_cuda_graphs
-    assert not BACKENDS["torch"].supports_cuda_graphs
+    assert BACKENDS["fi"].devices == ("cuda",) and BACKENDS["fi"].cuda_graphs == ("decode",)
+    assert BACKENDS["torch"].cuda_graphs == ()
 
 
 def test_auto_is_torch_on_cpu() -> None:
@@ -230,9 +230,9 @@ def use_fi(engine, graph_bs: list[int]) -> FlashInferBackend:
     mc = engine.model_config
     fi = FlashInferBackend(engine.kv_cache, engine.page_table, mc.head_dim**-0.5, mc.num_heads)
     engine.attn_backend = engine.ctx.attn_backend = fi
-    engine.graph_runner = GraphRunner(
-        engine.model, fi, engine.dummy_req, graph_bs, engine.max_seq_len, mc.vocab_size, CPU
-    )
+    decode = GraphKind([GraphShape(bs, bs) for bs in graph_bs], engine.dummy_req)
+    plan = GraphPlan([decode], engine.max_seq_len, emulated=True)
+    engine.graph_runner = GraphRunner(engine.model, fi, plan, mc.vocab_size, CPU)
     return fi
 
 

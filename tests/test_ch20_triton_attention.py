@@ -235,7 +235,7 @@ def test_fa_adapter_plumbing_equals_torch_backend(fake_flash_attn) -> None:
     from helpers import SMOL, Driver, make_engine
 
     from minisgl.attention.fa import FlashAttnBackend
-    from minisgl.engine.graph import GraphRunner
+    from minisgl.engine.graph import GraphKind, GraphPlan, GraphRunner, GraphShape
 
     path = need(SMOL)  # a real model: its next token depends on the context it attends to
     prompts = [[504, 3575, 282, 4649, 314], [1971, 1377, 4159, 3054, 28], [504], [1, 2, 3, 4]]
@@ -243,9 +243,9 @@ def test_fa_adapter_plumbing_equals_torch_backend(fake_flash_attn) -> None:
     want = Driver(make_engine(path, page_size=4)).generate(prompts, params)
     engine = make_engine(path, page_size=4)
     mc = engine.model_config
-    fa = FlashAttnBackend(engine.kv_cache, engine.page_table, mc.head_dim**-0.5)
+    fa = FlashAttnBackend(engine.kv_cache, engine.page_table, mc.head_dim**-0.5, mc.num_heads)
     engine.attn_backend = engine.ctx.attn_backend = fa
-    engine.graph_runner = GraphRunner(
-        engine.model, fa, engine.dummy_req, [1, 2, 4], engine.max_seq_len, mc.vocab_size, CPU
-    )
+    decode = GraphKind([GraphShape(bs, bs) for bs in (1, 2, 4)], engine.dummy_req)
+    plan = GraphPlan([decode], engine.max_seq_len, emulated=True)
+    engine.graph_runner = GraphRunner(engine.model, fa, plan, mc.vocab_size, CPU)
     assert Driver(engine).generate(prompts, params) == want  # decode steps replay graphs

@@ -10,7 +10,7 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch, SamplingParams
 from minisgl.engine.breakable import BoundaryBuffers
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.graph import prefill_slots, prefill_token_buckets
+from minisgl.engine.prefill_graph import prefill_slots, prefill_token_buckets
 from minisgl.llm import LLM
 
 # Two families of prompts sharing long prefixes (later ones hit the radix cache),
@@ -76,7 +76,7 @@ def run(llm: LLM) -> tuple[list[list[int]], list[dict]]:
 @pytest.fixture(scope="module")
 def eager() -> list[list[int]]:
     llm = LLM(str(need(SMOL)), **KW)
-    assert llm.engine.graph_runner.prefill_graph_map == {}  # off on CPU unless asked for
+    assert llm.engine.graph_runner.graphs("prefill") == {}  # off on CPU unless asked for
     tokens, log = run(llm)
     llm.shutdown()
     assert not any(entry["graph"] for entry in log)
@@ -93,7 +93,7 @@ def graphs(mode: str) -> LLM:
 def test_prefill_graphs_equal_eager_and_hf(eager: list[list[int]], mode: str) -> None:
     llm = graphs(mode)
     runner = llm.engine.graph_runner
-    assert sorted(runner.prefill_graph_map) == [(4, 8), (4, 16), (4, 32)]
+    assert sorted(runner.graphs("prefill")) == [(4, 8), (4, 16), (4, 32)]
     got, log = run(llm)
     llm.scheduler.check_integrity()
     llm.shutdown()
@@ -152,7 +152,7 @@ def test_more_tokens_than_the_largest_bucket_run_eagerly() -> None:
     llm = graphs("full")
     runner, dummy = llm.engine.graph_runner, llm.engine.dummy_req
     for tokens, graph in ((32, True), (33, False), (7, True)):
-        req = runner._filler(tokens)  # any request of that many new tokens
+        req = runner.kinds["prefill"].filler(tokens)  # any request of that many new tokens
         batch = Batch([req], "prefill")
         runner.pad_batch(batch)
         assert runner.can_use_cuda_graph(batch) == graph

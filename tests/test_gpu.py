@@ -488,7 +488,7 @@ def test_prefill_graphs_on_cuda_equal_debug(tiny: dict[str, Path], attn: str, mo
     try:
         for debug in (False, True):
             llm = LLM(str(tiny["qwen3"]), debug_cuda_graph=debug, **kw)
-            graph = llm.engine.graph_runner.prefill_graph_map[4, 16]
+            graph = llm.engine.graph_runner.graphs("prefill")[4, 16]
             if mode == "breakable":
                 assert type(graph).__name__ == "BreakableGraph"  # (chapter 23's)
                 layers = llm.engine.model_config.num_layers

@@ -255,7 +255,7 @@ def test_logits_match_transformers(name: str) -> None:
     table = torch.stack(
         [page_slots(list(range(r, num_pages, rows)), page_size) for r in range(rows)]
     )
-    backend = TorchAttnBackend(pool, table, cfg.head_dim**-0.5)
+    backend = TorchAttnBackend(pool, table, cfg.head_dim**-0.5, cfg.num_heads)
     ctx = Context(backend)
     set_global_ctx(ctx)
     try:

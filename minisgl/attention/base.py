@@ -30,8 +30,20 @@ class BaseAttnBackend(ABC):
     name: str  # what `--attn` calls it
     devices: tuple[str, ...]  # device types it runs on
     auto_devices: tuple[str, ...] = ()  # where `--attn auto` may pick it
-    supports_cuda_graphs: bool = False  # lengths read on the device, graph hooks implemented
-    supports_prefill_graphs: bool = False  # prefill metadata in static buffers too  # [ch23]
+    # >>> ch18
+    # The graph kinds ("decode", "prefill") it can be captured in on CUDA: lengths read on
+    # the device, metadata in static buffers. On CPU, emulated graphs take every kind.
+    cuda_graphs: tuple[str, ...] = ()
+    # <<< ch18
+
+    def __init__(
+        self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
+    ) -> None:
+        """Every backend is offered what any backend needs: the KV pool, the engine's page
+        table ([rows, max positions]: each position's KV slot), the softmax scale and this
+        rank's query heads."""
+        self.kv_cache, self.page_table, self.scale = kv_cache, page_table, scale
+        self.num_qo_heads, self.device = num_qo_heads, page_table.device
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -40,18 +52,10 @@ class BaseAttnBackend(ABC):
             return f"runs on {' or '.join(cls.devices)}, not {device.type}"
         return ""
 
-    @classmethod
-    def create(
-        cls, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
-    ) -> BaseAttnBackend:
-        """The engine's way in: every backend is offered what any backend needs."""
-        return cls(kv_cache, page_table, scale)  # type: ignore[call-arg]
-
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
         """Build `batch.attn_metadata` from the batch's requests (before the forward)."""
 
-    @abstractmethod
     def forward(
         self,
         q: torch.Tensor,
@@ -66,19 +70,21 @@ class BaseAttnBackend(ABC):
         layer's fused kernel has written them into the pool already.
         Returns [tokens, q_heads, head_dim].
         """
+        if k is not None:
+            assert v is not None
+            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+        return self.attend(q, layer_id, batch)
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
+        """Attend q over each request's K/V in the pool (the new tokens' included)."""
 
     # >>> ch18 CUDA-graph hooks: metadata in static buffers
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
-        """Allocate static metadata buffers big enough for every captured batch size."""
+        """Allocate static metadata buffers big enough for every captured batch size (the
+        request slots of every captured shape)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
-    # >>> ch23
-    def init_capture_prefill(self, max_seq_len: int, shapes: list[tuple[int, int]]) -> None:
-        """Allocate static prefill metadata for every (request slots, tokens) shape; from then
-        on the two hooks below take prefill batches of those shapes too."""
-        raise NotImplementedError(f"{type(self).__name__} has no static prefill metadata")
-
-    # <<< ch23
     def prepare_for_capture(self, batch: Batch) -> None:
         """Point `batch.attn_metadata` at the static buffers (the batch being captured)."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

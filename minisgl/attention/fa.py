@@ -50,6 +50,7 @@ class FlashAttnBackend(TritonAttnBackend):
     name = "fa"
     devices = ("cuda",)
     auto_devices = ()  # only when asked for by name
+    cuda_graphs = ("decode",)  # [ch18]
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -68,8 +69,10 @@ class FlashAttnBackend(TritonAttnBackend):
             )
         return ""
 
-    def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
-        super().__init__(kv_cache, page_table, scale)
+    def __init__(
+        self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
+    ) -> None:
+        super().__init__(kv_cache, page_table, scale, num_qo_heads)
         self.fa, _ = _flash_attn()
         self.page_size = kv_cache.page_size
         self.graph_table: torch.Tensor | None = None  # [max_bs, pages per row] for replays
@@ -96,11 +99,7 @@ class FlashAttnBackend(TritonAttnBackend):
             max_seq_len=max_seq_len,
         )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
-        if k is not None:  # None: the layer has stored them already
-            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         md = batch.attn_metadata
         assert isinstance(md, FlashAttnMetadata)
         k_pages, v_pages = self.kv_cache.paged(layer_id)

@@ -85,13 +85,11 @@ class FlashInferBackend(BaseAttnBackend):
     name = "fi"
     devices = ("cuda",)
     auto_devices = ("cuda",)
-    supports_cuda_graphs = True
-    # >>> ch23 no full prefill graphs: FlashInfer's CUDA-graph prefill plan bounds a request's
-    # query length by (tokens - requests + 1), as if every request had a token, which the
-    # zero-length sentinels of a padded prefill break (measured: wrong tokens). Breakable
-    # prefill graphs run its attention eagerly and need nothing from it.
-    supports_prefill_graphs = False
-    # <<< ch23
+    # Decode only. No full prefill graphs: FlashInfer's CUDA-graph prefill plan bounds a
+    # request's query length by (tokens - requests + 1), as if every request had a token,
+    # which the zero-length sentinels of a padded prefill break (measured: wrong tokens).
+    # Breakable prefill graphs run its attention eagerly and need nothing from it.
+    cuda_graphs = ("decode",)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -103,19 +101,12 @@ class FlashInferBackend(BaseAttnBackend):
             return f"FlashInfer's kernels take bfloat16 or float16, not {dtype}"
         return ""  # any page size
 
-    @classmethod
-    def create(
-        cls, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
-    ) -> FlashInferBackend:
-        return cls(kv_cache, page_table, scale, num_qo_heads)
-
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
     ) -> None:
         import flashinfer
 
-        self.kv_cache, self.page_table, self.scale = kv_cache, page_table, scale
-        self.device = page_table.device
+        super().__init__(kv_cache, page_table, scale, num_qo_heads)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # Grouped-query decode runs faster on the tensor-core (prefill) kernels once several
         # query heads share a KV head.
@@ -205,11 +196,7 @@ class FlashInferBackend(BaseAttnBackend):
         self._last_plan.record()
         md.wrapper = wrapper
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
-        if k is not None:  # None: the layer has stored them already
-            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         md = batch.attn_metadata
         assert isinstance(md, FlashInferMetadata) and md.wrapper is not None
         return md.wrapper.run(q, self.kv_cache.paged(layer_id))

@@ -42,7 +42,7 @@ class TorchAttnMetadata(BaseAttnMetadata):
 # >>> ch18 static metadata for CUDA graphs
 @dataclass
 class TorchCaptureData:
-    cu_seqlens_q: torch.Tensor  # [max_bs + 1]: always 0, 1, ..., max_bs in decode
+    cu_seqlens_q: torch.Tensor  # [max_bs + 1]: 0, 1, ..., max_bs in decode
     seq_lens: torch.Tensor  # [max_bs]
     page_table: torch.Tensor  # [max_bs, every position of the longest sequence]
 
@@ -52,17 +52,15 @@ class TorchAttnBackend(BaseAttnBackend):
     name = "torch"
     devices = ("cpu", "cuda")
     auto_devices = ("cpu", "cuda")
-    # Its decode reads the longest length on the host, which a CUDA graph cannot replay; on
-    # CPU the graph runner's EmulatedGraph does not care, so the hooks below still serve it.
-    supports_cuda_graphs = False
+    # No `cuda_graphs`: its decode reads the longest length on the host, which a CUDA graph
+    # cannot replay; on CPU the graph runner's EmulatedGraph does not care, so the hooks
+    # below still serve it.
 
-    def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
-        self.kv_cache = kv_cache
-        self.page_table = page_table  # the engine's [rows, max positions] table
-        self.scale = scale
+    def __init__(
+        self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
+    ) -> None:
+        super().__init__(kv_cache, page_table, scale, num_qo_heads)
         self.capture: TorchCaptureData | None = None  # [ch18]
-        self.capture_bs: list[int] = []  # [ch18]
-        self.prefill_capture: TorchCaptureData | None = None  # [ch23]
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -70,9 +68,9 @@ class TorchAttnBackend(BaseAttnBackend):
         seq_lens = [req.device_len for req in reqs]
         host = [0, *itertools.accumulate(extend_lens), *seq_lens, *(r.table_idx for r in reqs)]
         n = len(reqs)
-        cu_seqlens_q, cache_seqlens, rows = to_device(
-            host, self.page_table.device, torch.int32
-        ).split([n + 1, n, n])  # one copy for all three
+        cu_seqlens_q, cache_seqlens, rows = to_device(host, self.device, torch.int32).split(
+            [n + 1, n, n]
+        )  # one copy for all three
         batch.attn_metadata = TorchAttnMetadata(
             cu_seqlens_q=cu_seqlens_q,
             cache_seqlens=cache_seqlens,
@@ -80,11 +78,7 @@ class TorchAttnBackend(BaseAttnBackend):
             max_seqlen_q=max(extend_lens),
         )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
-        if k is not None:  # None: the layer has stored them already
-            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         md = batch.attn_metadata
         assert isinstance(md, TorchAttnMetadata)
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
@@ -136,7 +130,7 @@ class TorchAttnBackend(BaseAttnBackend):
 
     # >>> ch18 CUDA-graph hooks
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
-        max_bs, device = max(bs_list), self.page_table.device
+        max_bs, device = max(bs_list), self.device
         # The table spans the engine's full width (max_seq_len + 1 positions in whole pages),
         # so no replay can ever need a column that was not copied in.
         assert self.page_table.size(1) >= max_seq_len + 1
@@ -145,56 +139,26 @@ class TorchAttnBackend(BaseAttnBackend):
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=device),
             page_table=self.page_table[-1:].repeat(max_bs, 1),  # the dummy row: the dummy page
         )
-        self.capture_bs = list(bs_list)
 
     def prepare_for_capture(self, batch: Batch) -> None:
-        # >>> ch23 a prefill shape: its own metadata, copied into the static buffers
-        if batch.is_prefill:
-            self.prepare_metadata(batch)
-            self.prepare_for_replay(batch)
-            cap, slots = self.prefill_capture, batch.padded_size
-            assert cap is not None
-            batch.attn_metadata = TorchAttnMetadata(
-                cu_seqlens_q=cap.cu_seqlens_q[: slots + 1],
-                cache_seqlens=cap.seq_lens[:slots],
-                page_table=cap.page_table[:slots],
-                max_seqlen_q=batch.attn_metadata.max_seqlen_q,  # the capture's: all its tokens
-            )
-            return
-        # <<< ch23
-        bs = batch.size
-        assert bs in self.capture_bs and self.capture is not None
-        cap = self.capture
+        # The shape's own metadata (one token per request in decode), copied in.
+        self.prepare_metadata(batch)
+        self.prepare_for_replay(batch)
+        cap, bs = self.capture, batch.padded_size
+        assert cap is not None
         batch.attn_metadata = TorchAttnMetadata(
             cu_seqlens_q=cap.cu_seqlens_q[: bs + 1],
             cache_seqlens=cap.seq_lens[:bs],
             page_table=cap.page_table[:bs, :],
-            max_seqlen_q=1,
+            max_seqlen_q=batch.attn_metadata.max_seqlen_q,  # 1 in decode
         )
 
     def prepare_for_replay(self, batch: Batch) -> None:
         metadata, bs, cap = batch.attn_metadata, batch.padded_size, self.capture
-        # >>> ch23 a prefill also has its own query offsets; every slot is rewritten, sentinels too
-        if batch.is_prefill:
-            cap = self.prefill_capture
-            assert cap is not None
-            cap.cu_seqlens_q[: bs + 1].copy_(metadata.cu_seqlens_q)
-        # <<< ch23
         assert isinstance(metadata, TorchAttnMetadata) and cap is not None
         table_len = metadata.page_table.size(1)
+        cap.cu_seqlens_q[: bs + 1].copy_(metadata.cu_seqlens_q)  # 0, 1, ..., bs in decode
         cap.seq_lens[:bs].copy_(metadata.cache_seqlens)
         cap.page_table[:bs, :table_len].copy_(metadata.page_table)
-
-    # >>> ch23
-    def init_capture_prefill(self, max_seq_len: int, shapes: list[tuple[int, int]]) -> None:
-        # Emulated graphs only: the extend loop reads the lengths on the host.
-        slots, device = max(s for s, _ in shapes), self.page_table.device
-        self.prefill_capture = TorchCaptureData(
-            cu_seqlens_q=torch.zeros(slots + 1, dtype=torch.int32, device=device),
-            seq_lens=torch.ones(slots, dtype=torch.int32, device=device),
-            page_table=self.page_table[-1:].repeat(slots, 1),
-        )
-
-    # <<< ch23
 
     # <<< ch18

@@ -38,7 +38,7 @@ class TritonMetadata(BaseAttnMetadata):
 
 @dataclass
 class TritonCaptureData:
-    qo_indptr: torch.Tensor  # [max_bs + 1]: 0, 1, ..., max_bs (one token each in decode)
+    qo_indptr: torch.Tensor  # [max_bs + 1]: 0, 1, ..., max_bs in decode
     rows: torch.Tensor  # [max_bs]
     seq_lens: torch.Tensor  # [max_bs]
 
@@ -47,8 +47,7 @@ class TritonAttnBackend(BaseAttnBackend):
     name = "triton"
     devices = ("cuda", "cpu")
     auto_devices = ("cuda",)  # on a CPU the interpreter is for checking, never the default
-    supports_cuda_graphs = True
-    supports_prefill_graphs = True  # [ch23]
+    cuda_graphs = ("decode", "prefill")  # [ch18]
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -64,14 +63,14 @@ class TritonAttnBackend(BaseAttnBackend):
             return "bfloat16 matrix products in Triton need an Ampere or newer GPU"
         return super().unavailable_reason(device, dtype, page_size)  # any page size
 
-    def __init__(self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float) -> None:
+    def __init__(
+        self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
+    ) -> None:
         from minisgl.kernels import attention as kernels
 
+        super().__init__(kv_cache, page_table, scale, num_qo_heads)
         self.kernels = kernels
-        self.kv_cache, self.page_table, self.scale = kv_cache, page_table, scale
-        self.device = page_table.device
         self.capture: TritonCaptureData | None = None
-        self.prefill_capture: TritonCaptureData | None = None  # [ch23]
 
     def prepare_metadata(self, batch: Batch) -> None:
         reqs = batch.padded_reqs
@@ -90,11 +89,7 @@ class TritonAttnBackend(BaseAttnBackend):
             max_extend_len=max(extend_lens),
         )
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, batch: Batch
-    ) -> torch.Tensor:
-        if k is not None:  # None: the layer has stored them already
-            self.kv_cache.store_kv(k, v, batch.out_loc, layer_id)
+    def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         md = batch.attn_metadata
         assert isinstance(md, TritonMetadata)
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
@@ -124,41 +119,23 @@ class TritonAttnBackend(BaseAttnBackend):
         )
 
     def prepare_for_capture(self, batch: Batch) -> None:
-        bs, cap, max_extend_len = batch.padded_size, self.capture, 1
-        # >>> ch23 a prefill shape: its own metadata, copied into the static buffers; the
-        # kernel's grid covers every token of the shape in every slot (most programs exit)
-        if batch.is_prefill:
-            self.prepare_metadata(batch)
-            self.prepare_for_replay(batch)
-            cap, max_extend_len = self.prefill_capture, sum(r.extend_len for r in batch.padded_reqs)
-        # <<< ch23
-        assert cap is not None
+        # The shape's own metadata, copied in. The kernel grid is the capture's: one token a
+        # request in decode; in a prefill shape all its tokens (held by one filler request)
+        # in every slot, most of whose programs exit at once.
+        self.prepare_metadata(batch)
+        self.prepare_for_replay(batch)
+        bs, cap, md = batch.padded_size, self.capture, batch.attn_metadata
+        assert cap is not None and isinstance(md, TritonMetadata)
         batch.attn_metadata = TritonMetadata(
             qo_indptr=cap.qo_indptr[: bs + 1],
             rows=cap.rows[:bs],
             seq_lens=cap.seq_lens[:bs],
-            max_extend_len=max_extend_len,
+            max_extend_len=md.max_extend_len,
         )
 
     def prepare_for_replay(self, batch: Batch) -> None:
         md, bs, cap = batch.attn_metadata, batch.padded_size, self.capture
-        # >>> ch23 a prefill also has its own query offsets; every slot is rewritten, sentinels too
-        if batch.is_prefill:
-            cap = self.prefill_capture
-            assert cap is not None
-            cap.qo_indptr[: bs + 1].copy_(md.qo_indptr)
-        # <<< ch23
         assert isinstance(md, TritonMetadata) and cap is not None
+        cap.qo_indptr[: bs + 1].copy_(md.qo_indptr)  # 0, 1, ..., bs in decode
         cap.rows[:bs].copy_(md.rows)
         cap.seq_lens[:bs].copy_(md.seq_lens)
-
-    # >>> ch23
-    def init_capture_prefill(self, max_seq_len: int, shapes: list[tuple[int, int]]) -> None:
-        slots, dummy_row = max(s for s, _ in shapes), self.page_table.size(0) - 1
-        self.prefill_capture = TritonCaptureData(
-            qo_indptr=torch.zeros(slots + 1, dtype=torch.int32, device=self.device),
-            rows=torch.full((slots,), dummy_row, dtype=torch.int32, device=self.device),
-            seq_lens=torch.ones(slots, dtype=torch.int32, device=self.device),
-        )
-
-    # <<< ch23

@@ -8,7 +8,7 @@ from minisgl.distributed.comm import (
     destroy_distributed,
     init_distributed,
 )
-from minisgl.distributed.info import Split, TPInfo, get_tp_info
+from minisgl.distributed.info import Split, TPInfo, get_tp_info, rank_heads
 
 __all__ = [
     "Split",
@@ -20,4 +20,5 @@ __all__ = [
     "destroy_distributed",
     "get_tp_info",
     "init_distributed",
+    "rank_heads",
 ]

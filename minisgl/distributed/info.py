@@ -40,6 +40,13 @@ def set_tp_info(rank: int, size: int) -> None:
     _tp_info = TPInfo(rank, size)
 
 
+def rank_heads(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+    """This rank's attention heads: its share of the query heads, and its share of the KV
+    heads, or one KV head where the ranks outnumber them."""
+    size = get_tp_info().size
+    return num_heads // size, max(num_kv_heads // size, 1)
+
+
 @dataclass(frozen=True)
 class Split:
     """How one weight is cut across the ranks: along `dim`, each of its `parts` (the sizes of

@@ -2,7 +2,7 @@
 
 Some steps of a forward cannot live in a CUDA graph, or are better left out: prefill
 attention reads each request's length on the host to plan its work. Marking such a
-function with `@eager_on_graph` makes the capture stop right before it, run it eagerly,
+function with `@eager_on_graph` (core.py) makes the capture stop right before it, run it eagerly,
 and resume in a new graph segment after it. A replay then runs segment 0, the first eager
 call, segment 1, ... in the same order.
 
@@ -22,33 +22,13 @@ forgotten copy gives wrong tokens here as it would on a GPU.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from minisgl.core import Batch, get_global_ctx
-
-F = TypeVar("F", bound=Callable[..., torch.Tensor])
-
-_active: BreakableGraph | None = None  # the graph being captured or (on CPU) replayed
-
-
-def eager_on_graph(fn: F) -> F:
-    """Run `fn` eagerly between two graph segments when a breakable graph is captured.
-
-    Outside a breakable capture (eager forwards, decode graphs) it is a plain call."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
-        graph = _active
-        if graph is None:
-            return fn(*args, **kwargs)
-        return graph.break_at(fn, args, kwargs)
-
-    return wrapper  # type: ignore[return-value]
 
 
 class BoundaryBuffers:
@@ -103,9 +83,9 @@ class BreakableGraph:
     def capture(self, forward: Callable[[], None], pool: Any, stream: Any) -> Any:
         """Run `forward` once, capturing it in segments on `stream`; returns the memory pool
         every segment shares (pass it to the next capture)."""
-        global _active
+        ctx = get_global_ctx()
         self._pool, self._forward = pool, forward
-        _active = self
+        ctx.breakable = self
         try:
             if self.cuda:
                 torch.cuda.synchronize()  # as torch.cuda.graph: inputs ready before the side stream
@@ -119,7 +99,7 @@ class BreakableGraph:
             else:
                 forward()  # sizes the boundary buffers, as a capture would
         finally:
-            _active = None
+            ctx.breakable = None
         return self._pool
 
     def break_at(self, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict) -> torch.Tensor:
@@ -150,14 +130,13 @@ class BreakableGraph:
                 brk.out.copy_(brk.fn(*brk.args, **brk.kwargs))
 
     def _emulated_replay(self) -> None:
-        global _active
         ctx = get_global_ctx()
         saved, ctx._batch = ctx._batch, self.batch
-        self._live, self._replaying, _active = saved, True, self
+        self._live, self._replaying, ctx.breakable = saved, True, self
         try:
             self._forward()
         finally:
-            ctx._batch, self._replaying, _active = saved, False, None
+            ctx._batch, self._replaying, ctx.breakable = saved, False, None
 
     def _call_live(self, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict) -> Any:
         ctx = get_global_ctx()

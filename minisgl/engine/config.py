@@ -19,6 +19,7 @@ class EngineConfig:
     max_seq_len_override: int | None = None  # None: the model's context length
     page_size: int = 1
     attention_backend: str = "auto"
+    max_prefill_length: int = 8192  # the most new tokens of one forward: longer prompts are chunked
     # >>> ch18 decode CUDA graphs
     # Largest captured decode batch; None: from GPU memory on CUDA, off on CPU; 0: off.
     cuda_graph_max_bs: int | None = None
@@ -27,7 +28,7 @@ class EngineConfig:
     # <<< ch18
     # >>> ch23 prefill graphs: "off", "breakable", "full"; None: breakable on CUDA, off on CPU
     prefill_graph: str | None = None
-    prefill_graph_max_tokens: int | None = None  # largest token bucket; None: the prefill budget
+    prefill_graph_max_tokens: int | None = None  # largest token bucket; None: max_prefill_length
     prefill_graph_tokens: list[int] | None = None  # an explicit list of token buckets wins
     # <<< ch23
     # >>> ch21 tensor parallelism
@@ -48,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"num_page_override must be >= 1, got {self.num_page_override}")
         if self.max_seq_len_override is not None and self.max_seq_len_override < 2:
             raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
+        if self.max_prefill_length < 1:
+            raise ValueError(f"max_prefill_length must be >= 1, got {self.max_prefill_length}")
         # >>> ch18
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")

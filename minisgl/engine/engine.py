@@ -20,8 +20,11 @@ import torch
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.registry import select_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
-from minisgl.distributed import agree_min, destroy_distributed, init_distributed  # [ch21]
 
+# >>> ch21
+from minisgl.distributed import agree_min, destroy_distributed, init_distributed, rank_heads
+
+# <<< ch21
 # >>> ch25
 from minisgl.engine.bias import (
     LogitBias,
@@ -33,10 +36,11 @@ from minisgl.engine.bias import (
 
 # <<< ch25
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.graph import GraphRunner, decode_graph_sizes  # [ch18]
+from minisgl.engine.graph import GraphPlan, GraphRunner  # [ch18]
 from minisgl.engine.limits import EngineLimits  # [ch21]
 from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits  # [ch25]
 from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
+from minisgl.engine.prefill_graph import plan_prefill_graphs  # [ch23]
 from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -102,8 +106,9 @@ class Engine:
         self.model.requires_grad_(False)
 
         mc = self.model_config
-        self.num_kv_heads = mc.num_kv_heads
-        self.num_kv_heads = max(mc.num_kv_heads // config.tp_size, 1)  # this rank's  # [ch21]
+        heads = (mc.num_heads, mc.num_kv_heads)
+        heads = rank_heads(*heads)  # this rank's share of them  # [ch21]
+        self.num_qo_heads, self.num_kv_heads = heads
         self.num_pages = config.num_page_override or self._pages_from_budget()
         self.num_pages = agree_min(self.num_pages)  # all ranks must schedule alike  # [ch21]
         EngineLimits.of(self).check_ranks_agree()  # before graphs wait in collectives  # [ch21]
@@ -133,18 +138,11 @@ class Engine:
         self.attn_backend = self._create_backend()
         self.ctx = Context(self.attn_backend)
         set_global_ctx(self.ctx)
-        # >>> ch18
-        graph_args = (self.model, self.attn_backend, self.device)
+        # >>> ch18 every shape to capture, then one loop that captures them
+        plan = GraphPlan.of(self)
+        plan.kinds += plan_prefill_graphs(self, plan)  # [ch23]
         self.graph_runner = GraphRunner(
-            self.model,
-            self.attn_backend,
-            self.dummy_req,
-            decode_graph_sizes(config, *graph_args, self.free_memory_at_start),
-            self.max_seq_len,
-            mc.vocab_size,
-            self.device,
-            config.debug_cuda_graph,
-            *GraphRunner.prefill_plan(config, *graph_args, self.max_seq_len),  # [ch23]
+            self.model, self.attn_backend, plan, mc.vocab_size, self.device
         )
         # <<< ch18
         logger.info(
@@ -297,11 +295,9 @@ class Engine:
         return pages
 
     def _create_backend(self) -> BaseAttnBackend:
-        mc = self.model_config
         cls = select_backend(self.config.attention_backend, self.device, self.dtype, self.page_size)
-        num_heads = mc.num_heads
-        num_heads //= self.config.tp_size  # this rank's query heads  # [ch21]
-        return cls.create(self.kv_cache, self.page_table, mc.head_dim**-0.5, num_heads)
+        scale = self.model_config.head_dim**-0.5
+        return cls(self.kv_cache, self.page_table, scale, self.num_qo_heads)
 
     def shutdown(self) -> None:
         self.graph_runner.destroy_cuda_graphs()  # [ch18]
