@@ -14,7 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from minisgl.core import Req
-from minisgl.message.backend import PromptLogprobs, TokenMsg
+from minisgl.message.backend import TokenMsg
+from minisgl.message.logprobs import PromptLogprobs
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import ForwardOutput
