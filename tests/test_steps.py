@@ -228,3 +228,15 @@ def test_tree_and_list(tmp_path: Path) -> None:
     assert again.returncode == 2 and "not empty" in again.stderr
     listing = steps_cli(root, "list")
     assert listing.returncode == 0 and len(listing.stdout.splitlines()) == 3
+
+
+def test_fences_counts_later_chapter_lines(tmp_path: Path) -> None:
+    root = make_repo(tmp_path / "repo")
+    # core.py: 13 lines, of which the ch02 region (9 lines, markers included; the ch10
+    # region inside it counts once) and the tagged line.
+    assert (10, 13, "minisgl/core.py") in steps.fences(root)
+    cmd = [sys.executable, str(STEPS), "fences", "--root", str(root)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # Only files with later-chapter lines get a row; the total covers all 15 lines.
+    assert r.stdout.splitlines() == ["   10    13  76.9% minisgl/core.py", "total 10/15 = 66.7%"]

@@ -4,8 +4,11 @@ Usage:
     python tools/steps.py check [--only ch05 ...] [--no-tests] [--keep] [--timeout S]
     python tools/steps.py tree ch05 DIR
     python tools/steps.py list
-All three take --root DIR (default: the repo holding this file) and --manifest PATH
-(default: ROOT/tools/chapters.toml).
+    python tools/steps.py fences
+All take --root DIR (default: the repo holding this file); all but `fences` also take
+--manifest PATH (default: ROOT/tools/chapters.toml). `fences` counts, for every .py file
+under ROOT/minisgl, the lines that belong to a later chapter than the file's own (inside a
+region, its marker lines included, or tagged), and the package's total and share of them.
 
 Manifest (TOML; every path is relative to ROOT; every file is listed exactly once):
     always = ["pyproject.toml", "tests/conftest.py"]  # in every tree, when present
@@ -149,6 +152,27 @@ def strip(text: str, upto: int, path: str = "<text>") -> str:
     if not drop:
         return text
     return "\n".join(line for i, line in enumerate(text.split("\n"), 1) if i not in drop)
+
+
+def fences(root: Path) -> list[tuple[int, int, str]]:
+    """(later-chapter lines, lines, path) of every .py file under ROOT/minisgl."""
+    rows = []
+    for p in sorted((root / "minisgl").rglob("*.py")):
+        text = p.read_text()
+        markers, _ = parse_markers(text, str(p))
+        lines: set[int] = set()
+        for mk in markers:
+            lines.update(range(mk.line, (mk.end or mk.line) + 1))
+        rows.append((len(lines), text.count("\n"), p.relative_to(root).as_posix()))
+    return rows
+
+
+def print_fences(root: Path) -> None:
+    rows = fences(root)
+    for fence, n, path in sorted([r for r in rows if r[0]], reverse=True):
+        print(f"{fence:5d} {n:5d} {100 * fence / n:5.1f}% {path}")
+    fence, total = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    print(f"total {fence}/{total} = {100 * fence / max(total, 1):.1f}%")
 
 
 @dataclass
@@ -411,8 +435,13 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("chapter")
     t.add_argument("dir", type=Path)
     sub.add_parser("list", parents=[common], help="list the chapters")
+    f = sub.add_parser("fences", help="later-chapter lines per file of minisgl/, and in all")
+    f.add_argument("--root", type=Path, default=common.get_default("root"))
     args = ap.parse_args(argv)
     root = args.root.resolve()
+    if args.command == "fences":  # needs no manifest
+        print_fences(root)
+        return 0
     try:
         m = Manifest.load(root, args.manifest or root / "tools/chapters.toml")
         m.validate()
