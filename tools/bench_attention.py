@@ -19,6 +19,7 @@ import math
 import time
 
 import torch
+from common import add_device_args, parse
 
 from minisgl.attention.registry import select_backend
 from minisgl.core import Batch, Req, SamplingParams
@@ -78,14 +79,14 @@ def time_cuda(fn, iters: int) -> float:
 
 
 def decode_ms(cls, pool: Pool, args, bs: int, ctx: int) -> float:
-    backend = cls.create(pool.kv, pool.table, args.head_dim**-0.5, args.q_heads)
+    backend = cls(pool.kv, pool.table, args.head_dim**-0.5, args.q_heads)
     batch = pool.batch(args, "decode", bs, 1, ctx)
     q, k, v = pool.qkv(args, bs)
 
     def run() -> None:
         backend.forward(q, k, v, 0, batch)
 
-    if not cls.supports_cuda_graphs or args.device.type != "cuda":
+    if "decode" not in cls.cuda_graphs or args.device.type != "cuda":
         backend.prepare_metadata(batch)
         return time_cuda(run, args.iters)
     backend.init_capture_graph(max_seq_len=pool.table.size(1), bs_list=[bs])
@@ -108,7 +109,7 @@ def decode_ms(cls, pool: Pool, args, bs: int, ctx: int) -> float:
 
 
 def prefill_ms(cls, pool: Pool, args, bs: int) -> float:
-    backend = cls.create(pool.kv, pool.table, args.head_dim**-0.5, args.q_heads)
+    backend = cls(pool.kv, pool.table, args.head_dim**-0.5, args.q_heads)
     batch = pool.batch(args, "prefill", bs, args.prefill_len, args.prefix_len)
     q, k, v = pool.qkv(args, bs * args.prefill_len)
     backend.prepare_metadata(batch)
@@ -122,7 +123,6 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--batch-sizes", type=ints, default=[1, 8, 32, 128, 256])
     p.add_argument("--context-lens", type=ints, default=[512, 2048, 8192])
     p.add_argument("--prefill-batches", type=ints, default=[1, 4, 16])
@@ -136,8 +136,8 @@ def main() -> None:
     )
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--output-json", default=None)
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test (TRITON_INTERPRET=1)")
-    args = p.parse_args()
+    add_device_args(p)  # cpu: a smoke test (the Triton backend wants TRITON_INTERPRET=1)
+    args = parse(p)
     args.dtype = getattr(torch, args.dtype)
     dev = args.device = torch.device(args.device)
     classes = {

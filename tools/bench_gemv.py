@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import add_device_args, parse
 
 SHAPES = {  # name -> (out features, in features), Qwen3-0.6B
     "qkv": (4096, 1024),
@@ -54,22 +55,22 @@ def time_graph(fn, device: torch.device, reps: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--device", default="cuda")
+    add_device_args(p)
     p.add_argument("--rows", default="1,2,4")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--layers", type=int, default=28, help="distinct weights of a 'layer' run")
     p.add_argument("--min-bytes", type=float, default=512e6, help="weights per shape at least")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--output-json")
-    args = p.parse_args()
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args = parse(p)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     from minisgl.kernels.gemv import gemv, gemv_blocks
 
     torch.manual_seed(0)
     weights = {}
     for name, (n, k) in SHAPES.items():
-        count = max(2, math.ceil(args.min_bytes / (n * k * 2))) if device.type == "cuda" else 1
+        count = max(2, math.ceil(args.min_bytes / (n * k * dtype.itemsize)))
+        count = count if device.type == "cuda" else 1
         weights[name] = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(count)]
     results: dict = {"shapes": {}, "layers": {}}
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -127,7 +128,7 @@ def main() -> None:
 
         t_lib = time_graph(lambda: layers(F.linear), device, args.reps)
         t_gemv = time_graph(lambda: layers(gemv), device, args.reps)
-        nbytes = sum(w.numel() * 2 for ws in stack for w in ws)
+        nbytes = sum(w.numel() * w.element_size() for ws in stack for w in ws)
         results["layers"][m] = {"cublas_ms": t_lib * 1e3, "gemv_ms": t_gemv * 1e3}
         print(
             f"{args.layers} layers m={m}: cublas {t_lib * 1e3:.3f} ms "

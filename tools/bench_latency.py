@@ -18,16 +18,13 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from common import add_engine_args, engine_kwargs, parse, sync, weight_bytes
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], object], device: str = "cuda") -> float:
+def timed(fn: Callable[[], object], device: str) -> float:
     sync(device)
     start = time.perf_counter()
     fn()
@@ -35,10 +32,10 @@ def timed(fn: Callable[[], object], device: str = "cuda") -> float:
     return time.perf_counter() - start
 
 
-def per_token(run: Callable[[int], object], n: int) -> float:
+def per_token(run: Callable[[int], object], n: int, device: str) -> float:
     """ms per generated token after the first, from runs of 1 and 1 + n tokens."""
     run(1 + n)  # warm-up at full length
-    return (timed(lambda: run(1 + n)) - timed(lambda: run(1))) / n * 1e3
+    return (timed(lambda: run(1 + n), device) - timed(lambda: run(1), device)) / n * 1e3
 
 
 class Prompts:
@@ -57,15 +54,11 @@ def minisgl_llm(args: argparse.Namespace, graph_bs: int) -> object:
     max_bs = max(args.batch_sizes)
     tokens = args.input_len + max(args.output_len, args.step_tokens) + 8
     return LLM(
-        args.model,
-        dtype=getattr(torch, args.dtype),
-        device=args.device,
+        **engine_kwargs(args),
         max_running_req=max_bs,
         num_page_override=max_bs * tokens,
         max_seq_len_override=tokens,
         cuda_graph_max_bs=graph_bs,
-        attention_backend=args.attn,
-        tp_size=args.tp_size,
     )
 
 
@@ -128,8 +121,8 @@ def bench_hf(args: argparse.Namespace, prompts: Prompts, compiled: bool) -> floa
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype))
-    model = model.cuda().eval()
-    ids = torch.tensor(prompts.make(1, args.input_len), device="cuda")
+    model = model.to(args.device).eval()
+    ids = torch.tensor(prompts.make(1, args.input_len), device=args.device)
     extra = {"cache_implementation": "static"} if compiled else {}
 
     def run(n: int) -> None:
@@ -147,27 +140,12 @@ def bench_hf(args: argparse.Namespace, prompts: Prompts, compiled: bool) -> floa
 
     if compiled:
         run(1 + args.output_len)  # compilation happens on the first static-cache calls
-    return per_token(run, args.output_len)
-
-
-def weight_bytes(path: str) -> int:
-    """Bytes of weights one decode step reads (a tied embedding counts once: the LM head)."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    total = 0
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
-    return total * 2  # bf16
+    return per_token(run, args.output_len, args.device)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this tool")
+    add_engine_args(p)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256, help="tokens for the batch-1 figure")
     p.add_argument("--step-tokens", type=int, default=64, help="decode steps per batch size")
@@ -177,16 +155,14 @@ def main() -> None:
     p.add_argument("--plot", default=None, help="write the ms-per-step plot to this PNG")
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attn", default="auto", help="attention backend (--attn of the server)")
-    p.add_argument("--tp-size", type=int, default=1, help="ranks (GPUs) the model is cut over")
     p.add_argument("--skip-eager", action="store_true", help="minisgl with CUDA graphs only")
-    args = p.parse_args()
+    args = parse(p)
     args.batch_sizes = args.batch_sizes or [1, 8, 32, 128, 256]
 
     from minisgl.models.config import ModelConfig
 
     prompts = Prompts(ModelConfig.from_path(args.model).vocab_size, args.seed)
-    weights = weight_bytes(args.model)
+    weights = weight_bytes(args.model, getattr(torch, args.dtype).itemsize)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(
         f"{name}, {args.dtype}, prompt {args.input_len} tokens, "
@@ -247,7 +223,8 @@ def plot(args: argparse.Namespace, results: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"minisgl decode step, Qwen3-0.6B shape, {torch.cuda.get_device_name()}")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    ax.set_title(f"minisgl decode step, {Path(args.model).name}, {where}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()

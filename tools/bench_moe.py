@@ -8,7 +8,7 @@ reading the weights of the experts that were chosen, each once, which is the lea
 decode step must move; the H200 reads about 4.8 TB/s.
 
     python tools/bench_moe.py                    # GPU: Qwen3-30B-A3B experts, 64 tokens
-    python tools/bench_moe.py --device cpu --dtype float32 \\
+    python tools/bench_moe.py --device cpu \\
         --experts 8 --top-k 2 --hidden 64 --inter 32 --tokens 7 --iters 2 --warmup 1
 """
 
@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from common import add_device_args, parse
 
 from minisgl.layers.moe import Experts
 
@@ -52,16 +53,14 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=768, help="each expert's intermediate size")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_device_args(ap)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--block-n", type=int, default=64, help="output columns per program")
     ap.add_argument("--block-k", type=int, default=64, help="reduction step of the kernel")
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    name = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
-    device = torch.device("cpu" if name == "auto" else name)
+    args = parse(ap)
+    device = torch.device(args.device)
     if device.type == "cpu":  # Triton compiles for GPUs; on the CPU it interprets, if told early
         os.environ["TRITON_INTERPRET"] = "1"
     from minisgl.kernels.moe import fused_moe  # imports triton

@@ -15,6 +15,7 @@ import random
 import time
 
 import torch
+from common import add_engine_args, engine_kwargs, parse, sync
 from tqdm import tqdm
 
 
@@ -33,20 +34,13 @@ def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
-    llm = LLM(
-        args.model,
-        dtype=getattr(torch, args.dtype),
-        device=args.device,
-        max_running_req=args.max_running_req,
-        attention_backend=args.attn,
-        tp_size=args.tp_size,
-    )
+    llm = LLM(**engine_kwargs(args), max_running_req=args.max_running_req)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in reqs]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    _sync(args.device)
+    sync(args.device)
     start = time.perf_counter()
     outputs = llm.generate([ids for ids, _ in reqs], params)
-    _sync(args.device)
+    sync(args.device)
     elapsed = time.perf_counter() - start
     assert [len(o["token_ids"]) for o in outputs] == [n for _, n in reqs]
     llm.shutdown()
@@ -77,7 +71,7 @@ def bench_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]], batche
             )
 
     generate([([1, 2, 3], 2)])  # warm-up
-    _sync(args.device)
+    sync(args.device)
     start = time.perf_counter()
     if batched:
         for i in tqdm(range(0, len(reqs), args.hf_batch_size), desc="hf batched"):
@@ -85,25 +79,13 @@ def bench_hf(args: argparse.Namespace, reqs: list[tuple[list[int], int]], batche
     else:
         for req in tqdm(reqs, desc="hf one at a time"):
             generate([req])
-    _sync(args.device)
+    sync(args.device)
     return time.perf_counter() - start
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="models/SmolLM2-135M-Instruct")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["bfloat16", "float16", "float32"],
-        help="default: float32 on CPU (faster there when batched), bfloat16 on GPU",
-    )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_engine_args(p, model="models/SmolLM2-135M-Instruct")
     p.add_argument("--num-seqs", type=int, default=16)
     p.add_argument("--min-input", type=int, default=16)
     p.add_argument("--max-input", type=int, default=256)
@@ -113,10 +95,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="measure minisgl only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attn", default="auto", help="attention backend (--attn of the server)")
-    p.add_argument("--tp-size", type=int, default=1, help="ranks (GPUs) the model is cut over")
-    args = p.parse_args()
-    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args = parse(p)
 
     from minisgl.models.config import ModelConfig
 

@@ -17,18 +17,16 @@ import statistics
 import time
 
 import torch
+from common import add_engine_args, engine_kwargs, parse, sync
 
 
 def bench_mode(args: argparse.Namespace, mode: str, rng: random.Random) -> dict[str, object]:
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
-    cuda = args.device == "cuda"
+    cuda = args.device.startswith("cuda")
     llm = LLM(
-        args.model,
-        dtype=getattr(torch, args.dtype),
-        device=args.device,
-        attention_backend=args.attn,
+        **engine_kwargs(args),
         prefill_graph=mode,
         max_prefill_length=args.peak_tokens,
         max_running_req=16,
@@ -41,12 +39,10 @@ def bench_mode(args: argparse.Namespace, mode: str, rng: random.Random) -> dict[
 
     def prefill(length: int) -> float:
         prompt = [rng.randrange(vocab) for _ in range(length)]
-        if cuda:
-            torch.cuda.synchronize()
+        sync(args.device)
         start = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)
-        if cuda:
-            torch.cuda.synchronize()
+        sync(args.device)
         return (time.perf_counter() - start) * 1e3
 
     result: dict[str, object] = {"mode": mode}
@@ -60,8 +56,7 @@ def bench_mode(args: argparse.Namespace, mode: str, rng: random.Random) -> dict[
         torch.cuda.reset_peak_memory_stats()
         prefill(args.peak_tokens - 1)  # the scheduler's largest prefill
         result["peak_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
-    runner = llm.engine.graph_runner
-    result["graphs"] = len(runner.prefill_graph_map)
+    result["graphs"] = len(llm.engine.graph_runner.graphs("prefill"))
     llm.shutdown()
     if cuda:
         torch.cuda.empty_cache()
@@ -70,10 +65,7 @@ def bench_mode(args: argparse.Namespace, mode: str, rng: random.Random) -> dict[
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True)
-    p.add_argument("--device", default="cuda", help="cpu: a smoke test of this tool")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--attn", default="auto", help="attention backend (--attn of the server)")
+    add_engine_args(p, tp_size=None)
     p.add_argument("--modes", default="off,breakable,full")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--peak-tokens", type=int, default=8192, help="max_prefill_length")
@@ -81,7 +73,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
-    args = p.parse_args()
+    args = parse(p)
     args.lengths = args.lengths or [16, 64, 256, 1024, 4096]
     rng = random.Random(args.seed)
     results = [bench_mode(args, mode, rng) for mode in args.modes.split(",")]

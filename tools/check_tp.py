@@ -23,6 +23,7 @@ import random
 import sys
 
 import torch
+from common import add_engine_args, engine_kwargs, parse
 
 
 def run(args: argparse.Namespace, tp: int, prompts: list[list[int]], max_tokens: int) -> list[dict]:
@@ -31,15 +32,11 @@ def run(args: argparse.Namespace, tp: int, prompts: list[list[int]], max_tokens:
 
     tokens = max(len(p) for p in prompts) + args.output_len + 8
     llm = LLM(
-        args.model,
-        dtype=getattr(torch, args.dtype),
-        device=args.device,
-        tp_size=tp,
+        **engine_kwargs(args, tp_size=tp),
         max_running_req=len(prompts),
         num_page_override=len(prompts) * tokens,
         max_seq_len_override=tokens,
         cuda_graph_max_bs=len(prompts),
-        attention_backend=args.attn,
     )
     try:
         params = SamplingParams(
@@ -60,16 +57,7 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--device", default="cuda")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=["bfloat16", "float16", "float32"],
-        help="default: bfloat16 on GPU, float32 on CPU",
-    )
-    p.add_argument("--tp-size", type=int, default=2)
-    p.add_argument("--attn", default="auto")
+    add_engine_args(p, tp_size=2)
     p.add_argument("--prompt-lens", default="40,97,13,200")
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument(
@@ -79,8 +67,7 @@ def main() -> None:
         help="largest relative difference (default: 2e-2 in 16-bit, 1e-4 in fp32)",
     )
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    args = parse(p)
     tol = args.tol if args.tol is not None else (1e-4 if args.dtype == "float32" else 2e-2)
 
     from minisgl.models.config import ModelConfig

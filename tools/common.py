@@ -1,0 +1,89 @@
+"""What the tools that build an engine share, so that each says it once and alike.
+
+Every benchmark and profiler picks a model, a device, a dtype and, where it builds the
+whole engine, an attention backend and a number of ranks. Declared tool by tool, the same
+flag had different defaults (`--device cuda` here, the GPU if there is one there; bf16 on
+the CPU in one tool, fp32 in the next). Here they are declared once, with one rule for
+each default, and turned into the `LLM` arguments in one place. A tool runs as
+`python tools/X.py`, which puts this folder on sys.path: `from common import ...` works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """--device and --dtype, for tools that run kernels or layers without a model."""
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda (the default where there is a GPU) or cpu",
+    )
+    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on a GPU, float32 on the CPU")
+
+
+def add_engine_args(
+    p: argparse.ArgumentParser,
+    *,
+    model: str | None = None,
+    attn: str | None = "auto",
+    tp_size: int | None = 1,
+) -> None:
+    """--model (required unless given a default) and the device arguments; --attn and
+    --tp-size, with the server's meaning, unless their default is None (the tool has none)."""
+    p.add_argument("--model", required=model is None, default=model, help="a model folder")
+    add_device_args(p)
+    if attn is not None:
+        p.add_argument("--attn", default=attn, help="attention backend (--attn of the server)")
+    if tp_size is not None:
+        p.add_argument(
+            "--tp-size", type=int, default=tp_size, help="ranks (GPUs) the model is cut over"
+        )
+
+
+def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed arguments, with --dtype filled in from the device when it was not given."""
+    args = p.parse_args(argv)
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    return args
+
+
+def engine_kwargs(args: argparse.Namespace, **override: Any) -> dict[str, Any]:
+    """The keyword arguments of `LLM(...)` that the shared flags set; `override` wins."""
+    kw: dict[str, Any] = {
+        "model_path": args.model,
+        "dtype": getattr(torch, args.dtype),
+        "device": args.device,
+    }
+    if "attn" in args:
+        kw["attention_backend"] = args.attn
+    if "tp_size" in args:
+        kw["tp_size"] = args.tp_size
+    return {**kw, **override}
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work, so that a host clock read after it counts it."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def weight_bytes(path: str, itemsize: int) -> int:
+    """Bytes of all weights in the folder's safetensors files, at `itemsize` per value
+    (a tied embedding counts once: one decode step reads it once, as the LM head)."""
+    from safetensors import safe_open
+
+    total = 0
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
+    return total * itemsize
