@@ -1,6 +1,6 @@
 """Chapter 24's helpers on synthetic data: /metrics as prometheus-client writes it, a
 histogram's quantile read from its buckets, the area under a sampled gauge, Little's law;
-and tools/profile_step.py run as a command on a tiny model."""
+and tools/profile_step.py run as a command on a tiny model, in each of its three modes."""
 
 from __future__ import annotations
 
@@ -98,3 +98,35 @@ def test_profile_step_reports_the_decode_steps_it_profiled(tmp_path: Path) -> No
     assert result["steps"] == 5 and result["batch_size"] == 2
     assert result["step_ms"] > 0
     assert "top host operations" in done.stdout
+
+
+def test_profile_step_phases_add_up_and_count_calls(tmp_path: Path) -> None:
+    need(TINY["llama"])
+    out = tmp_path / "phases.json"
+    args = ("--model", str(TINY["llama"]), "--device", "cpu", "--batch-size", "2", "--phases")
+    args += ("--steps", "6", "--repeat", "2", "--cuda-graph-max-bs", "0", "--overlap", "on")
+    done = run_tool("profile_step.py", *args, "--output-json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["steps"] == 6 and result["batch_size"] == 2 and result["overlap"] == "on"
+    for clock in ("wall_ms", "cpu_ms"):
+        t = result[clock]
+        parts = ["schedule", "prepare_batch", "forward (launch)", "sample", "process results"]
+        assert 0 < sum(t[p] for p in parts) <= t["step"] <= t["interval between steps"]
+        assert t["of which the model's forward"] <= t["forward (launch)"]
+        assert t["of which graph replay"] == 0.0  # no graphs asked for
+        assert (
+            0 < t["host work (the interval less the device's work)"] < t["interval between steps"]
+        )
+    calls = result["calls_per_step"]
+    assert calls["torch calls"] > 0 and calls["to_device"] >= 1 and calls["to_host"] >= 1
+    assert "torch calls" in done.stdout and "host work" in done.stdout
+
+
+def test_profile_step_cprofile_lists_python_functions() -> None:
+    need(TINY["llama"])
+    args = ("--model", str(TINY["llama"]), "--device", "cpu", "--cprofile", "--steps", "6")
+    done = run_tool("profile_step.py", *args, "--top", "5")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "cProfile of 6 decode steps" in done.stdout
+    assert "filename:lineno(function)" in done.stdout and ".py:" in done.stdout
