@@ -10,8 +10,8 @@
 # lowest rate already missed the SLO, LOW_RATE (if set) is tried as well. Both servers are
 # started from $SRC, the tree under test (`python -m` imports from the working directory).
 #
-#   OUT=/tmp/out bash tools/bench_serving_h200.sh      # from the repository root
-#   SRC=/root/src OUT=$OUT WHEEL_DIRS=".whl .gpu_serve/whl" bash tools/bench_serving_h200.sh
+#   OUT=/tmp/out bash tools/recipes/bench_serving_h200.sh      # from the repository root
+#   SRC=/root/src OUT=$OUT WHEEL_DIRS=".whl .gpu_serve/whl" bash tools/recipes/bench_serving_h200.sh
 #
 # Everything lands in $OUT (7 files): run.log, bench.log (every run's table), points.jsonl
 # (one JSON per run), compare.txt (the sweeps side by side, sustainable rates), the plot

@@ -1,6 +1,6 @@
 """Is the first engine of a process slower than the ones built after it?
 
-    python tools/probe_first_llm.py --model /tmp/qwen3-0.6b --attn torch
+    python tools/recipes/probe_first_llm.py --model /tmp/qwen3-0.6b --attn torch
 
 Four engines, one after the other in one process, alternating the two configurations of
 the table that first showed the effect: the defaults, and `cuda_graph_max_bs=0`. For
@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tools/
 from bench_latency import Prompts, timed  # noqa: E402
+from common import add_engine_args, engine_kwargs, parse  # noqa: E402
 
 
 def measure(llm: object, prompts: Prompts, args: argparse.Namespace) -> tuple[float, float]:
@@ -42,12 +43,10 @@ def measure(llm: object, prompts: Prompts, args: argparse.Namespace) -> tuple[fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", required=True)
-    p.add_argument("--attn", default="torch")
-    p.add_argument("--device", default="cuda")
+    add_engine_args(p, attn="torch", tp_size=None)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=256)
-    args = p.parse_args()
+    args = parse(p)
     from minisgl.llm import LLM
 
     prompts = None
@@ -55,7 +54,7 @@ def main() -> None:
     for i, graphs in enumerate([None, 0, None, 0]):
         start = time.perf_counter()
         kw = {} if graphs is None else {"cuda_graph_max_bs": graphs}
-        llm = LLM(args.model, device=args.device, attention_backend=args.attn, **kw)
+        llm = LLM(**engine_kwargs(args), **kw)
         built = time.perf_counter() - start
         prompts = prompts or Prompts(llm.engine.model_config.vocab_size, seed=0)
         first, ms = measure(llm, prompts, args)
