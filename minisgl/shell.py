@@ -15,9 +15,9 @@ import threading
 
 from minisgl.core import SamplingParams
 from minisgl.message.frontend import DeltaMsg, TokenizeMsg
-from minisgl.server.api_server import APIError, Frontend
+from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
-from minisgl.server.protocol import UNLIMITED
+from minisgl.server.protocol import UNLIMITED, APIError
 
 HELP = (
     "Type a message. Ctrl-C stops a reply, /reset forgets the conversation, "

@@ -449,7 +449,7 @@ def test_streamed_logprobs_cover_every_token(client):
     assert all(v <= 0 for v in values)
     assert len(values) == usage.completion_tokens, (
         f"BUG: a stream of {usage.completion_tokens} tokens carried {len(values)} logprobs: "
-        "api_server.py stream() only yields an event when the delta has text, so a token "
+        "streaming.py stream() only yields an event when the delta has text, so a token "
         "whose text is held back (stop-string prefix, partial UTF-8) loses its logprob"
     )
 
@@ -475,7 +475,7 @@ def test_usage_counts_the_prompt_once_with_n(client, tok):
     assert out.usage.prompt_tokens == len(tok.encode(PROMPT)), (
         f"BUG: usage.prompt_tokens is {out.usage.prompt_tokens} for a "
         f"{len(tok.encode(PROMPT))}-token prompt with n=2; OpenAI (and vLLM, SGLang) count the "
-        "prompt once (api_server.py _Shape.usage multiplies it by the number of choices)"
+        "prompt once (responses.py ResponseShape.usage multiplies it by the number of choices)"
     )
 
 

@@ -1,16 +1,21 @@
-"""The command line of `python -m minisgl`."""
+"""The command line of `python -m minisgl`.
+
+Most flags set one field of SchedulerConfig: each is named after its field and takes the
+field's default, so a default lives in one place, the config class.
+"""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from minisgl.attention.registry import backend_names
-from minisgl.models.config import ModelConfig  # [ch21]
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
 
 _DTYPES = {
     "auto": None,
@@ -18,6 +23,9 @@ _DTYPES = {
     "float16": torch.float16,
     "float32": torch.float32,
 }
+_FIELDS = {f.name: f for f in fields(SchedulerConfig)}
+_PREFILL_GRAPHS = ["off", "breakable", "full"]  # [ch23]
+_PREFILL_HELP = "prefill CUDA graphs (default: breakable on CUDA, off on CPU)"  # [ch23]
 
 
 @dataclass
@@ -31,38 +39,47 @@ class ServerArgs:
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
 
 
+class ConfigParser(argparse.ArgumentParser):
+    """An argument parser that knows which of its flags set SchedulerConfig fields."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config_fields: dict[str, str] = {}  # a flag's dest -> the field it sets
+
+    def config_option(self, name: str, flag: str | None = None, **kwargs: Any) -> None:
+        """A flag (by default --the-field-name) for the field `name`, with its default."""
+        action = self.add_argument(
+            flag or "--" + name.replace("_", "-"), default=_FIELDS[name].default, **kwargs
+        )
+        self.config_fields[action.dest] = name
+
+    def config(self, a: argparse.Namespace) -> dict[str, Any]:
+        """The SchedulerConfig fields the command line set, by name."""
+        return {name: getattr(a, dest) for dest, name in self.config_fields.items()}
+
+
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    p = argparse.ArgumentParser(
+    p = ConfigParser(
         prog="python -m minisgl", description="Serve a model with an OpenAI-compatible API."
     )
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
     p.add_argument("--dtype", choices=list(_DTYPES), default="auto")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    # >>> ch21 tensor parallelism; ranks on several machines: each runs this with its --node-rank
-    p.add_argument("--tp-size", type=int, default=1, help="ranks (GPUs) the model is cut over")
-    p.add_argument("--nnodes", type=int, default=1, help="machines the --tp-size ranks span")
-    p.add_argument("--node-rank", type=int, default=0, help="this machine's place, from 0")
-    p.add_argument("--dist-init-addr", default=None, help="host:port of node 0 for the ranks")
-    # <<< ch21
-    p.add_argument("--max-running-requests", type=int, default=256)
-    p.add_argument("--max-seq-len-override", type=int, default=None)
-    p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: fill memory)")
-    p.add_argument("--page-size", type=int, default=1)
-    p.add_argument("--attn", choices=backend_names(), default="auto", help="attention backend")
-    p.add_argument("--cache", choices=["radix", "naive"], default="radix")
-    # >>> ch18
-    p.add_argument("--cuda-graph-max-bs", type=int, default=None, help="0 disables CUDA graphs")
-    p.add_argument("--debug-cuda-graph", action="store_true")
-    # <<< ch18
-    # >>> ch23
-    p.add_argument(
-        "--prefill-graph",
-        choices=["off", "breakable", "full"],
-        default=None,
-        help="prefill CUDA graphs (default: breakable on CUDA, off on CPU)",
+    p.config_option("device", choices=["auto", "cpu", "cuda"])
+    add_tp_options(p)  # [ch21]
+    p.config_option("max_running_req", "--max-running-requests", type=int)
+    p.config_option("max_seq_len_override", type=int)
+    p.config_option(
+        "num_page_override", "--num-pages", type=int, help="KV pages (default: fill memory)"
     )
-    # <<< ch23
-    p.add_argument("--max-prefill-length", type=int, default=8192)
+    p.config_option("page_size", type=int)
+    p.config_option(
+        "attention_backend", "--attn", choices=backend_names(), help="attention backend"
+    )
+    p.config_option("cache_type", "--cache", choices=["radix", "naive"])
+    p.config_option("cuda_graph_max_bs", type=int, help="0 disables CUDA graphs")  # [ch18]
+    p.config_option("debug_cuda_graph", action="store_true")  # [ch18]
+    p.config_option("prefill_graph", choices=_PREFILL_GRAPHS, help=_PREFILL_HELP)  # [ch23]
+    p.config_option("max_prefill_length", type=int)
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=1919)
@@ -71,37 +88,9 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     a = p.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model: {a.model} is not a model folder (no config.json); try `make models`")
-    # >>> ch21
-    if not 0 <= a.node_rank < a.nnodes:
-        p.error(f"--node-rank {a.node_rank} is not in [0, --nnodes {a.nnodes})")
-    if a.nnodes > 1 and a.dist_init_addr is None:
-        p.error("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, on every node)")
+    check_tp_options(p, a)  # [ch21]
     try:
-        ModelConfig.from_path(a.model).check_tp(a.tp_size)
-    except ValueError as e:
-        p.error(f"--tp-size: {e}")
-    # <<< ch21
-    try:
-        config = SchedulerConfig(
-            model_path=a.model,
-            dtype=_DTYPES[a.dtype],
-            device=a.device,
-            max_running_req=a.max_running_requests,
-            num_page_override=a.num_pages,
-            max_seq_len_override=a.max_seq_len_override,
-            page_size=a.page_size,
-            attention_backend=a.attn,
-            cuda_graph_max_bs=a.cuda_graph_max_bs,  # [ch18]
-            debug_cuda_graph=a.debug_cuda_graph,  # [ch18]
-            prefill_graph=a.prefill_graph,  # [ch23]
-            max_prefill_length=a.max_prefill_length,
-            cache_type=a.cache,
-            # >>> ch21
-            tp_size=a.tp_size,
-            nnodes=a.nnodes,
-            dist_init_addr=a.dist_init_addr,
-            # <<< ch21
-        )
+        config = SchedulerConfig(model_path=a.model, dtype=_DTYPES[a.dtype], **p.config(a))
     except ValueError as e:
         p.error(str(e))
     name = a.served_model_name or Path(a.model).resolve().name

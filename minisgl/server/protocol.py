@@ -1,14 +1,15 @@
-"""The OpenAI request bodies we accept, validated field by field.
+"""The OpenAI request bodies we accept, validated field by field, and the error we answer.
 
 Fields we do not know are ignored, as OpenAI-compatible servers do; fields we know must
 have the right type and range, or the client gets a 400 naming the field. Ranges are
 OpenAI's. Whatever passes here must also cross our msgpack pipes: integers fit in 64 bits
 and text is valid Unicode, so that nothing reaches the workers that they could choke on.
+Every refusal has OpenAI's error shape (`APIError.body`), so that clients written for
+OpenAI show the message.
 """
 
 from __future__ import annotations
 
-import json  # [ch25]
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -22,6 +23,7 @@ from pydantic import (
 )
 
 from minisgl.core import SamplingParams
+from minisgl.server.response_format import ResponseFormat, schema_text  # [ch25]
 
 UNLIMITED = 1 << 30  # "until EOS or the end of the context"
 INT64_END = 1 << 63  # msgpack carries integers of up to 64 bits; prompts and params stay below
@@ -41,38 +43,38 @@ TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]  # the vocabulary's bound is
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # added to a logit
 
 
+class APIError(Exception):
+    """A refusal, in OpenAI's error shape; the server answers it with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = (
+            status,
+            _printable(message),
+            None if param is None else _printable(param),
+            kind,
+            code,
+        )
+
+    def body(self) -> dict[str, Any]:
+        err = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
+        return {"error": err}
+
+
+def _printable(text: str) -> str:
+    # A message may quote the client's input; a lone surrogate in it could not be sent as UTF-8.
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
-
-
-# >>> ch25
-class JsonSchema(BaseModel):
-    name: str = "response"
-    description: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")  # `schema` is a BaseModel method's name
-    strict: bool | None = None  # we always hold the output to the schema
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError('type "json_schema" needs a json_schema: {"name", "schema"}')
-        return self
-
-    def schema_text(self) -> str | None:
-        """The JSON schema the output must satisfy, as text (ASCII: it travels well)."""
-        if self.type == "json_object":
-            return '{"type": "object"}'
-        if self.type == "json_schema" and self.json_schema is not None:
-            return json.dumps(self.json_schema.schema_)
-        return None
-
-
-# <<< ch25
 
 
 class _Common(BaseModel):
@@ -113,7 +115,7 @@ class _Common(BaseModel):
             "logit_bias": list(self.logit_bias or {}),
         }
 
-    def sampling_params(self, max_tokens: int | None, logprobs: bool, i: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, i: int) -> SamplingParams:
         seed = None if self.seed is None else (self.seed + i) % 2**63  # n choices must differ
         return SamplingParams(
             temperature=self.temperature,
@@ -126,24 +128,13 @@ class _Common(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
-            logprobs=logprobs,
-            **self._api_params(),  # [ch25]
+            logit_bias=dict(self.logit_bias or {}),  # [ch25]
+            json_schema=schema_text(self.response_format),  # [ch25]
+            **self.logprob_params(),
         )
 
-    # >>> ch25
-    def _api_params(self) -> dict[str, Any]:
-        """The rest of the API, as SamplingParams spells it."""
-        fmt = self.response_format
-        return {
-            "logit_bias": dict(self.logit_bias or {}),
-            "json_schema": fmt.schema_text() if fmt is not None else None,
-            **self._logprob_params(),
-        }
-
-    def _logprob_params(self) -> dict[str, Any]:
-        raise NotImplementedError  # each endpoint spells them its own way
-
-    # <<< ch25
+    def logprob_params(self) -> dict[str, Any]:
+        raise NotImplementedError  # each endpoint asks for them its own way
 
 
 class CompletionRequest(_Common):
@@ -163,15 +154,12 @@ class CompletionRequest(_Common):
         # A prefill always samples a token: with max_tokens 0 one is made, and not shown.
         return 1 if self.max_tokens == 0 else self.max_tokens
 
-    # >>> ch25
-    def _logprob_params(self) -> dict[str, Any]:
-        # logprobs N: the chosen token's and the N likeliest; with echo, the prompt's too.
+    def logprob_params(self) -> dict[str, Any]:
         return {
-            "top_logprobs": self.logprobs or 0,
-            "prompt_logprobs": self.echo and self.logprobs is not None,
+            "logprobs": self.logprobs is not None,  # logprobs N: the chosen token's,
+            "top_logprobs": self.logprobs or 0,  # and the N likeliest  # [ch25]
+            "prompt_logprobs": self.echo and self.logprobs is not None,  # and echo's  # [ch25]
         }
-
-    # <<< ch25
 
     @field_validator("prompt")
     @classmethod
@@ -238,8 +226,11 @@ class ChatCompletionRequest(_Common):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def _logprob_params(self) -> dict[str, Any]:  # [ch25]
-        return {"top_logprobs": self.top_logprobs or 0}  # [ch25]
+    def logprob_params(self) -> dict[str, Any]:
+        return {
+            "logprobs": self.logprobs,
+            "top_logprobs": self.top_logprobs or 0,  # [ch25]
+        }
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

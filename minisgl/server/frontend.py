@@ -1,0 +1,126 @@
+"""The front end's end of the pipes to the workers, shared by the HTTP server and the shell.
+
+Each request is sent to the tokenizer worker; its tokens come back as text deltas on one
+socket that a background task reads and routes to the waiting request by its uid. The
+front end also counts what /metrics reports. It knows nothing of HTTP, so the shell of
+chapter 17 drives the same workers without a web framework.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from minisgl.message.backend import AbortMsg, SchedulerStats
+from minisgl.message.codec import encode
+from minisgl.message.frontend import AcceptedMsg, DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.message.transport import AsyncReader, AsyncWriter, address
+from minisgl.server.logprobs import FullChoice  # [ch25]
+from minisgl.server.metrics import Metrics
+from minisgl.server.protocol import APIError
+
+
+@dataclass
+class Choice:
+    """One of a request's n completions, as it streams in."""
+
+    uid: int
+    index: int
+    text: list[str] = field(default_factory=list)
+    tokens: int = 0
+    logprobs: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)  # for logprobs
+    finish_reason: str | None = None
+    started: float | None = None  # its arrival, then its first token's time
+    arrived: float | None = None
+    full: FullChoice = field(default_factory=FullChoice)  # [ch25]
+
+
+class Frontend:
+    """The pipes to the tokenizer worker, and the routing of its answers by uid."""
+
+    def __init__(self, ipc_dir: str, kv_pages_total: int = 0) -> None:
+        ctx = zmq.asyncio.Context()
+        self.to_tokenizer = AsyncWriter(ctx, address(ipc_dir, "tokenizer"))
+        self.inbox = AsyncReader(ctx, address(ipc_dir, "api"))
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.uids = itertools.count()
+        self.metrics = Metrics(kv_pages_total)
+
+    async def receive_forever(self) -> None:
+        while True:
+            msg = await self.inbox.recv()
+            if isinstance(msg, SchedulerStats):
+                self.metrics.stats = msg
+            elif (queue := self.queues.get(msg.uid)) is not None:
+                queue.put_nowait(msg)
+
+    async def open(self, msgs: list[TokenizeMsg]) -> tuple[asyncio.Queue, int]:
+        """Submit the requests; returns their shared queue and their total prompt tokens."""
+        for msg in msgs:
+            try:  # the request models let through only what msgpack carries; a last check
+                encode(msg)
+            except (OverflowError, UnicodeEncodeError) as e:
+                raise APIError(400, f"the request cannot be passed on: {e}") from None
+        queue: asyncio.Queue = asyncio.Queue()
+        uids = [m.uid for m in msgs]
+        for msg in msgs:
+            self.queues[msg.uid] = queue
+            await self.to_tokenizer.send(msg)
+        prompt_tokens, refusal, early = 0, None, []
+        waiting = set(uids)
+        try:
+            while waiting:
+                reply = await queue.get()
+                if isinstance(reply, AcceptedMsg):
+                    prompt_tokens = reply.prompt_tokens
+                elif isinstance(reply, RejectedMsg):
+                    refusal = reply
+                else:  # a choice already accepted may produce tokens before the others are
+                    early.append(reply)
+                    continue
+                waiting.discard(reply.uid)
+        except asyncio.CancelledError:
+            await self.close(uids, abort=True)
+            raise
+        if refusal is not None:
+            await self.close(uids, abort=True)
+            param = "messages" if msgs[0].messages else "prompt"
+            raise APIError(400, refusal.message, param, code=refusal.code)
+        for reply in early + [queue.get_nowait() for _ in range(queue.qsize())]:
+            queue.put_nowait(reply)  # back in their order, ahead of what came after
+        self.metrics.requests.inc(len(msgs))
+        self.metrics.prompt_tokens.inc(prompt_tokens)  # n choices share one prompt
+        return queue, prompt_tokens
+
+    async def close(self, uids: list[int], abort: bool) -> None:
+        """Stop routing results for these requests; with `abort`, stop computing them too."""
+        for uid in uids:
+            self.queues.pop(uid, None)
+            if abort:
+                self.to_tokenizer.send_nowait(AbortMsg(uid))
+
+    def record(self, choice: Choice, delta: DeltaMsg) -> None:
+        now = time.perf_counter()
+        choice.full.record(delta)  # [ch25]
+        if delta.token is not None:
+            self.metrics.generation_tokens.inc()
+            choice.tokens += 1
+            choice.token_ids.append(delta.token)
+            if delta.logprob is not None:
+                choice.logprobs.append(delta.logprob)
+                choice.token_texts.append(delta.token_text or "")
+            if choice.tokens == 1:
+                self.metrics.ttft.observe(now - choice.started)
+                choice.started = now
+        if delta.finished:
+            choice.finish_reason = delta.finish_reason or "stop"
+            if choice.tokens > 1:
+                self.metrics.tpot.observe((now - choice.started) / (choice.tokens - 1))
+            if choice.arrived is not None:
+                self.metrics.e2e.observe(now - choice.arrived)

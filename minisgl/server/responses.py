@@ -1,0 +1,101 @@
+"""How answers look: completions or chat, whole or as streamed chunks, in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from minisgl.server.frontend import Choice
+from minisgl.server.logprobs import add_chat_details, add_echo, completion_details  # [ch25]
+
+
+class ResponseShape:
+    """The shape of one request's answer; its id and time are fixed when it is made."""
+
+    def __init__(self, chat: bool, model: str, logprobs: Any) -> None:
+        # Chat asks with `true`; completions with a number, 0 meaning the chosen token's only.
+        self.chat, self.model = chat, model
+        self.logprobs = logprobs is not None and logprobs is not False
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, int]:
+        completion = sum(c.tokens for c in choices)
+        # The n choices share one prompt, counted once (as OpenAI does).
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+        }
+
+    def _logprobs(self, c: Choice, start: int) -> Any:
+        """The logprobs of the choice's tokens from `start` on, in the endpoint's shape."""
+        if not self.logprobs:
+            return None
+        values, tokens = c.logprobs[start:], c.token_texts[start:]
+        if self.chat:
+            content = [
+                {"token": t, "logprob": v, "bytes": list(t.encode()), "top_logprobs": []}
+                for t, v in zip(tokens, values)
+            ]
+            add_chat_details(content, c.full.details[start:])  # [ch25]
+            return {"content": content}
+        out: dict[str, Any] = {
+            "token_logprobs": values,
+            "tokens": tokens,
+            "top_logprobs": None,
+            "text_offset": None,
+        }
+        out.update(completion_details(c.full, start))  # [ch25]
+        return out
+
+    def full(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
+        out = []
+        for c in sorted(choices, key=lambda c: c.index):
+            text = "".join(c.text)
+            body: dict[str, Any] = {
+                "index": c.index,
+                "finish_reason": c.finish_reason,
+                "logprobs": self._logprobs(c, 0),
+            }
+            if self.chat:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            add_echo(body, c.full, self.logprobs)  # [ch25]
+            out.append(body)
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": out,
+            "usage": self.usage(choices, prompt_tokens),
+        }
+
+    def chunk_choice(self, index: int, delta: dict[str, Any], finish: str | None) -> dict:
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+    def delta_choice(self, c: Choice, text: str, logprobs: list[float]) -> dict[str, Any]:
+        if self.chat:
+            body = self.chunk_choice(c.index, {"content": text}, c.finish_reason)
+        else:
+            body = {"index": c.index, "text": text, "finish_reason": c.finish_reason}
+        body["logprobs"] = self._logprobs(c, len(c.logprobs) - len(logprobs))
+        return body
+
+    def event(self, choices: list[dict], usage: dict[str, int] | None = None) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return f"data: {json.dumps(chunk)}\n\n"
