@@ -49,10 +49,12 @@ class _Env:
         # apart from the host (CUDA), not on CPU, where the forward runs on the host itself.
         self.DISABLE_OVERLAP_SCHEDULING = EnvVar.read("DISABLE_OVERLAP_SCHEDULING", None)
         # <<< ch12
-        # Use FlashInfer's fused norm / activation / rotary kernels on CUDA when installed.
-        self.FUSED_KERNELS = EnvVar.read("FUSED_KERNELS", True)  # [ch19]
-        # Linear layers of at most this many tokens use our GEMV kernel on CUDA (0: never).
-        self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 1)  # [ch20]
+        # >>> ch19 FlashInfer's fused norm / activation / rotary kernels on CUDA, when installed
+        self.FUSED_KERNELS = EnvVar.read("FUSED_KERNELS", True)
+        # <<< ch19
+        # >>> ch20 linear layers of at most this many tokens use our GEMV kernel on CUDA (0: never)
+        self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 1)
+        # <<< ch20
 
 
 ENV = _Env()

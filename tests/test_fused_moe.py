@@ -15,7 +15,8 @@ import torch
 from helpers import TINY, need
 
 from minisgl.core import SamplingParams
-from minisgl.layers.moe import Experts, use_fused_moe
+from minisgl.layers.fused_moe import use_fused_moe
+from minisgl.layers.moe import Experts
 from minisgl.llm import LLM
 from minisgl.models.qwen3_moe import Qwen3MoeForCausalLM
 

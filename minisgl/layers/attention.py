@@ -9,11 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.core import get_global_ctx
-from minisgl.engine.breakable import eager_on_graph  # [ch23]
-from minisgl.layers.fused import rope_store_kernel  # [ch20]
+from minisgl.core import (
+    eager_on_graph,  # [ch23]
+    get_global_ctx,
+)
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
+from minisgl.layers.triton_ops import rope_store  # [ch20]
 
 
 class AttentionLayer(nn.Module):
@@ -35,11 +37,9 @@ class AttentionLayer(nn.Module):
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        ctx = get_global_ctx()
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # >>> ch20 on a GPU, one kernel from qkv to rotated q, with k and v already stored
-        if kernel := rope_store_kernel(qkv):
-            q = self._fused(kernel, qkv, ctx)
+        if (q := rope_store(self, qkv)) is not None:
             return self.attend(q, None, None).reshape(-1, q_size)
         # <<< ch20
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -48,7 +48,7 @@ class AttentionLayer(nn.Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(ctx.batch.positions, q, k)
+        q, k = self.rotary(get_global_ctx().batch.positions, q, k)
         return self.attend(q, k, v).reshape(-1, q_size)
 
     # Prefill attention plans on the host: in a prefill graph it runs between segments.
@@ -58,24 +58,3 @@ class AttentionLayer(nn.Module):
     ) -> torch.Tensor:
         ctx = get_global_ctx()
         return ctx.attn_backend.forward(q, k, v, self.layer_id, ctx.batch)
-
-    # >>> ch20
-    def _fused(self, kernel, qkv: torch.Tensor, ctx) -> torch.Tensor:
-        kv = ctx.attn_backend.kv_cache
-        norms = hasattr(self, "q_norm")
-        return kernel(
-            qkv,
-            ctx.batch.positions,
-            self.rotary.cos_sin,
-            self.q_norm.weight if norms else None,
-            self.k_norm.weight if norms else None,
-            self.q_norm.eps if norms else 0.0,
-            kv.k_cache(self.layer_id),
-            kv.v_cache(self.layer_id),
-            ctx.batch.out_loc,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-        )
-
-    # <<< ch20

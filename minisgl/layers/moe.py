@@ -7,31 +7,17 @@ actually chosen, each processing the tokens routed to it in one matmul.
 
 from __future__ import annotations
 
-# >>> ch22 the fused kernel, where Triton can run it
-import importlib.util
-import os
-
-# <<< ch22
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Split, all_reduce  # [ch21]
 from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.fused_moe import fused_experts, use_fused_moe  # [ch22]
 from minisgl.layers.linear import Linear
 from minisgl.models.config import MoEConfig
 
-# >>> ch22 the fused kernel, where Triton can run it
-# With Triton the experts run fused and grouped on the device; without, the host loop runs.
-HAS_TRITON = importlib.util.find_spec("triton") is not None
 
-
-def use_fused_moe(x: torch.Tensor) -> bool:
-    # Triton compiles for the GPU; on the CPU its interpreter runs the kernel when asked to.
-    return HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
-
-
-# <<< ch22
 class MoEBlock(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
@@ -68,10 +54,7 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         # >>> ch22 the fused kernel, where Triton can run it
         if use_fused_moe(x):
-            # Imported on first use: triton is optional on the CPU, and slow to import.
-            from minisgl.kernels.moe import fused_moe
-
-            return fused_moe(x, self.gate_up_proj, self.down_proj, experts, weights)
+            return fused_experts(x, self.gate_up_proj, self.down_proj, experts, weights)
         # <<< ch22
         return self.forward_reference(x, experts, weights)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minisgl.layers import fused  # [ch20]
 from minisgl.layers.fused import fused_ops  # [ch19]
+from minisgl.layers.triton_ops import defer_norm  # [ch20]
 
 
 class RMSNorm(nn.Module):
@@ -33,9 +33,8 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual). May overwrite both inputs."""
         # >>> ch20 a few tokens before a projection: the add and the norm go into its kernel
-        if self.into_gemv and fused.gemv_kernel(x) is not None:
-            out = torch.empty_like(residual)
-            return fused.NormedInput(x, residual, out, self.weight, self.eps), out  # type: ignore[return-value]
+        if self.into_gemv and (deferred := defer_norm(x, residual, self.weight, self.eps)):
+            return deferred  # type: ignore[return-value]
         # <<< ch20
         # >>> ch19
         if fi := fused_ops(x):

@@ -11,14 +11,14 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
-from minisgl.distributed import Split, get_tp_info  # [ch21]
+from minisgl.distributed import Split, rank_heads  # [ch21]
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import LMHead, VocabEmbedding
-from minisgl.layers.fused import NormedInput, gemv_kernel  # [ch20]
 from minisgl.layers.linear import Linear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import get_rope
+from minisgl.layers.triton_ops import gemv_projection  # [ch20]
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 
@@ -39,11 +39,8 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # >>> ch20 a few tokens: gate_up and SiLU-and-mul in one kernel (with the norm before)
-        if isinstance(x, NormedInput):
-            gemv = gemv_kernel(x.x)
-            return self.down_proj(gemv(x.x, self.gate_up_proj.weight, gated=True, **x.gemv_args()))
-        if gemv := gemv_kernel(x):
-            return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
+        if (h := gemv_projection(x, self.gate_up_proj.weight, gated=True)) is not None:
+            return self.down_proj(h)
         # <<< ch20
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
@@ -62,10 +59,7 @@ class LlamaAttention(nn.Module):
         rope = get_rope(c.head_dim, c.rope_theta, c.max_position_embeddings, _device())
         eps = c.rms_norm_eps if qk_norm else None
         heads, kv_heads = c.num_heads, c.num_kv_heads
-        # >>> ch21 this rank's heads: its share of the query heads, and of the KV heads or one
-        size = get_tp_info().size
-        heads, kv_heads = heads // size, max(kv_heads // size, 1)
-        # <<< ch21
+        heads, kv_heads = rank_heads(heads, kv_heads)  # this rank's share of them  # [ch21]
         self.attn = AttentionLayer(layer_id, heads, kv_heads, c.head_dim, rope, eps)
         self.o_proj = Linear(
             c.num_heads * c.head_dim,

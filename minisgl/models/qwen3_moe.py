@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from minisgl.layers.moe import (
-    HAS_TRITON,  # [ch22]
-    MoEBlock,
-)
+from minisgl.layers.fused_moe import HAS_TRITON  # [ch22]
+from minisgl.layers.moe import MoEBlock
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaMLP
 from minisgl.models.qwen3 import Qwen3ForCausalLM

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from minisgl.distributed import get_tp_info  # [ch21]
+from minisgl.layers.parallel import read_rank_slice  # [ch21]
 
 # Pieces that are concatenated (along dim 0) into one of our tensors, in this order.
 _MERGES = {
@@ -86,18 +86,8 @@ def _read(
     f: Any, name: str, param: nn.Parameter, expert: int | None, part: int | None
 ) -> torch.Tensor:
     # >>> ch21 a rank reads only its slices of a split tensor
-    split = getattr(param, "tp_split", None)
-    if split is not None and get_tp_info().size > 1:
-        tensor = f.get_slice(name)
-        dim = split.dim - (expert is not None)  # one expert's tensor lacks the experts' dim
-        held = range(len(split.parts)) if part is None else (part,)
-        shape, whole = tensor.get_shape(), sum(split.parts[i] for i in held)
-        if len(shape) <= dim or shape[dim] != whole:
-            raise ValueError(
-                f"{name}: checkpoint shape {tuple(shape)}, the model expects {whole} on dim {dim}"
-            )
-        before = (slice(None),) * dim
-        return torch.cat([tensor[(*before, slice(a, b))] for a, b in split.ranges(held)], dim)
+    if (tensor := read_rank_slice(f, name, param, expert, part)) is not None:
+        return tensor
     # <<< ch21
     return f.get_tensor(name)
 
