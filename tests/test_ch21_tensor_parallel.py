@@ -30,6 +30,7 @@ from minisgl.core import Req, SamplingParams
 from minisgl.distributed import Split, destroy_distributed, get_tp_info, init_distributed
 from minisgl.distributed.info import set_tp_info
 from minisgl.engine.limits import EngineLimits
+from minisgl.engine.ranks import check_ranks_agree
 from minisgl.kvcache.allocator import page_slots
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
@@ -133,9 +134,9 @@ def limits_rank(rows: list[int], port: int, rank: int, results: mp.Queue) -> Non
     init_distributed(rank, 2, f"127.0.0.1:{port}", torch.device("cpu"))
     try:
         limits = EngineLimits(256, 64, 4, 8, 49152)
-        limits.check_ranks_agree()
+        check_ranks_agree(limits)
         try:
-            replace(limits, max_running_req=rows[rank]).check_ranks_agree()
+            check_ranks_agree(replace(limits, max_running_req=rows[rank]))
             results.put((rank, None))
         except ValueError as e:
             results.put((rank, str(e)))

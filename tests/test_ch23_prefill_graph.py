@@ -120,7 +120,7 @@ def test_a_replay_that_skips_the_sentinel_rewrite_differs(eager, monkeypatch) ->
             return replay(self, batch)
         # Only the live requests and the padding request are written; the slots after them
         # keep whatever an earlier prefill of this shape left there.
-        live, md, cap = batch.size + 1, batch.attn_metadata, self.prefill_capture
+        live, md, cap = batch.size + 1, batch.attn_metadata, self.capture
         cap.cu_seqlens_q[: live + 1].copy_(md.cu_seqlens_q[: live + 1])
         cap.seq_lens[:live].copy_(md.cache_seqlens[:live])
         cap.page_table[:live, : md.page_table.size(1)].copy_(md.page_table[:live])

@@ -36,7 +36,9 @@ def gather_logit_bias(reqs: list[Req], device: torch.device) -> LogitBias | None
     return LogitBias(where[0], where[1], to_device(values, device, torch.float32))
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias | None) -> torch.Tensor:
+    if bias is None:
+        return logits
     return logits.index_put((bias.rows, bias.tokens), bias.values, accumulate=True)
 
 
@@ -52,7 +54,9 @@ class TokenMask:
         return cls(to_device(rows, device, torch.int64), to_device(bits, device))
 
 
-def apply_token_mask(logits: torch.Tensor, mask: TokenMask) -> torch.Tensor:
+def apply_token_mask(logits: torch.Tensor, mask: TokenMask | None) -> torch.Tensor:
+    if mask is None:
+        return logits
     vocab = logits.size(-1)
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     # An arithmetic shift keeps the sign bit on the left, but `& 1` reads only bit j.

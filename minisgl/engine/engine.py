@@ -20,11 +20,8 @@ import torch
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.registry import select_backend
 from minisgl.core import Batch, Context, Req, SamplingParams, set_global_ctx
+from minisgl.distributed import destroy_distributed, rank_heads  # [ch21]
 
-# >>> ch21
-from minisgl.distributed import agree_min, destroy_distributed, init_distributed, rank_heads
-
-# <<< ch21
 # >>> ch25
 from minisgl.engine.bias import (
     LogitBias,
@@ -37,10 +34,14 @@ from minisgl.engine.bias import (
 # <<< ch25
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphPlan, GraphRunner  # [ch18]
-from minisgl.engine.limits import EngineLimits  # [ch21]
-from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits  # [ch25]
+
+# >>> ch25
+from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits, top_to_host
+
+# <<< ch25
 from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
 from minisgl.engine.prefill_graph import plan_prefill_graphs  # [ch23]
+from minisgl.engine.ranks import agree_on_limits, join_ranks  # [ch21]
 from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -87,12 +88,8 @@ class Engine:
         start = time.perf_counter()
         self.config = config
         self.model_config = ModelConfig.from_path(config.model_path)
-        self.model_config.check_tp(config.tp_size)  # before anything is loaded  # [ch21]
         self.device = _resolve_device(config.device)
-        # >>> ch21 join the other ranks first: the layers read the rank when they are built
-        self.device = _rank_device(self.device, config)
-        init_distributed(config.tp_rank, config.tp_size, config.dist_init_addr, self.device)
-        # <<< ch21
+        self.device = join_ranks(config, self.model_config, self.device)  # [ch21]
         self.free_memory_at_start = (
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         )
@@ -110,8 +107,7 @@ class Engine:
         heads = rank_heads(*heads)  # this rank's share of them  # [ch21]
         self.num_qo_heads, self.num_kv_heads = heads
         self.num_pages = config.num_page_override or self._pages_from_budget()
-        self.num_pages = agree_min(self.num_pages)  # all ranks must schedule alike  # [ch21]
-        EngineLimits.of(self).check_ranks_agree()  # before graphs wait in collectives  # [ch21]
+        self.num_pages = agree_on_limits(self)  # every rank schedules alike  # [ch21]
         self.kv_cache = MHAKVCache(
             mc.num_layers,
             self.num_pages,
@@ -204,11 +200,8 @@ class Engine:
             gather_penalties(reqs, self.token_pool, vocab),
             batch.token_dest,
         )
-        # >>> ch25
-        if plan is not None:
-            step.logits, step.prompt_logprobs = split_prompt_logits(logits, plan)
-        step.bias = gather_logit_bias(reqs, self.device)
-        # <<< ch25
+        step.logits, step.prompt_logprobs = split_prompt_logits(logits, plan)  # [ch25]
+        step.bias = gather_logit_bias(reqs, self.device)  # [ch25]
         return step
 
     @torch.inference_mode()
@@ -217,33 +210,19 @@ class Engine:
         logits = step.logits
         if step.penalties is not None:
             logits = apply_penalties(logits, step.penalties)
-        # >>> ch25
-        if step.bias is not None:
-            logits = apply_logit_bias(logits, step.bias)
-        # <<< ch25
+        logits = apply_logit_bias(logits, step.bias)  # [ch25]
         logprobs = None
         if any(r.sampling_params.logprobs for r in step.reqs):
             logprobs = torch.log_softmax(logits, dim=-1)
-        # >>> ch25 the grammar's mask, after the log-probabilities: they show the model's view
-        if step.token_mask is not None:
-            logits = apply_token_mask(logits, step.token_mask)
-        # <<< ch25
+        logits = apply_token_mask(logits, step.token_mask)  # after: the model's view  # [ch25]
         next_tokens = sample(logits, step.sampling)
         self.token_pool.put_(step.where, next_tokens)
         out = ForwardOutput(next_tokens, to_host(next_tokens), None, None)
         if logprobs is not None:
             out.logprobs_cpu = to_host(logprobs.gather(1, next_tokens.long()[:, None])[:, 0])
-            # >>> ch25
-            top_k = max(r.sampling_params.top_logprobs for r in step.reqs)
-            if top_k:
-                top = logprobs.topk(top_k, dim=-1)
-                out.top_ids_cpu = to_host(top.indices.to(torch.int32))
-                out.top_logprobs_cpu = to_host(top.values)
-            # <<< ch25
-        # >>> ch25
-        if step.prompt_logprobs is not None:
-            out.prompt_logprobs = step.prompt_logprobs.to_host()
-        # <<< ch25
+            out.top_ids_cpu, out.top_logprobs_cpu = top_to_host(logprobs, step.reqs)  # [ch25]
+        if step.prompt_logprobs is not None:  # [ch25]
+            out.prompt_logprobs = step.prompt_logprobs.to_host()  # [ch25]
         if self.device.type == "cuda":
             out.copy_done = torch.cuda.Event()
             out.copy_done.record()
@@ -314,20 +293,6 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-# >>> ch21
-def _rank_device(device: torch.device, config: EngineConfig) -> torch.device:
-    """This rank's GPU (one per rank, numbered on each machine), or the CPU, whose threads the
-    ranks on a machine share rather than each taking them all."""
-    per_node = config.tp_size // config.nnodes
-    if device.type == "cuda" and config.tp_size > 1:
-        device = torch.device("cuda", config.tp_rank % per_node)
-        torch.cuda.set_device(device)
-    elif device.type == "cpu" and per_node > 1:
-        torch.set_num_threads(max(1, torch.get_num_threads() // per_node))
-    return device
-
-
-# <<< ch21
 @contextmanager
 def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
     saved = torch.get_default_dtype()

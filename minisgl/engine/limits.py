@@ -12,11 +12,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-# >>> ch21
-from minisgl.distributed import agree_min, broadcast_bytes, get_tp_info
-from minisgl.message.codec import decode, encode
-
-# <<< ch21
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
@@ -82,26 +77,3 @@ class EngineLimits:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineLimits:
         return cls(**data)
-
-    # >>> ch21
-    def check_ranks_agree(self) -> None:
-        """Raise ValueError on every rank unless every rank's limits are rank 0's.
-
-        The ranks schedule alike only if they plan with the same numbers; ranks on other
-        machines are started by command lines of their own, which may differ.
-        """
-        tp = get_tp_info()
-        if tp.size == 1:
-            return
-        mine = encode(self.to_dict()) if tp.is_primary else None
-        primary = EngineLimits.from_dict(decode(broadcast_bytes(mine)))
-        if agree_min(int(primary == self)) == 1:
-            return
-        if primary == self:
-            raise ValueError(f"another rank's limits differ from rank 0's {self}; see its log")
-        raise ValueError(
-            f"rank {tp.rank} has {self}, but rank 0 has {primary}: "
-            "start every rank with the same settings"
-        )
-
-    # <<< ch21

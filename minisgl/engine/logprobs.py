@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 from minisgl.utils import to_device, to_host
 
 
@@ -105,8 +105,24 @@ def plan_prompt_logprobs(batch: Batch, device: torch.device) -> PromptPlan | Non
     return PromptPlan(last, rows_d, targets_d, counts, top_k)
 
 
-def split_prompt_logits(logits: torch.Tensor, plan: PromptPlan) -> tuple[torch.Tensor, Logprobs]:
+def split_prompt_logits(
+    logits: torch.Tensor, plan: PromptPlan | None
+) -> tuple[torch.Tensor, Logprobs | None]:
     """The LM head's output -> (next-token logits [bs, vocab], the prompt's log-probabilities)."""
+    if plan is None:
+        return logits, None
     prompt = pick(torch.log_softmax(logits[plan.rows], dim=-1), plan.targets, plan.top_k)
     prompt.counts = plan.counts
     return logits[plan.last_rows], prompt
+
+
+def top_to_host(
+    logprobs: torch.Tensor, reqs: list[Req]
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The likeliest tokens at each row and their log-probabilities, on the host, as many as
+    the request that wants most asked for; (None, None) when none asked."""
+    k = max(r.sampling_params.top_logprobs for r in reqs)
+    if k == 0:
+        return None, None
+    top = logprobs.topk(k, dim=-1)
+    return to_host(top.indices.to(torch.int32)), to_host(top.values)
