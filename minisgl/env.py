@@ -43,10 +43,9 @@ class _Env:
         self.MEMORY_FRACTION = EnvVar.read("MEMORY_FRACTION", 0.9)
         # KV cache budget on CPU, in MiB, when no page count is given.
         self.CPU_KV_CACHE_MB = EnvVar.read("CPU_KV_CACHE_MB", 512)
-        # >>> ch12
-        # 1: process each batch's results before launching the next (easier to debug; on a
-        # GPU slower). 0: overlap, also on CPU. Unset (None): overlap where the device runs
-        # apart from the host (CUDA), not on CPU, where the forward runs on the host itself.
+        # >>> ch12 overlap scheduling. 1: off, each batch's results before the next launch
+        # (easier to debug, slower on a GPU). 0: on. Unset (None): on where the device runs
+        # apart from the host (CUDA); not on CPU, where the forward runs on the host itself.
         self.DISABLE_OVERLAP_SCHEDULING = EnvVar.read("DISABLE_OVERLAP_SCHEDULING", None)
         # <<< ch12
         # >>> ch19 FlashInfer's fused norm / activation / rotary kernels on CUDA, when installed

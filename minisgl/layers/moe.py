@@ -38,11 +38,9 @@ class MoEBlock(nn.Module):
 class Experts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        # >>> ch21 each rank holds every expert, cut along its intermediate size (as an MLP is)
-        gate_up_split = Split.even(1, intermediate_size, intermediate_size)
-        down_split = Split.even(2, intermediate_size)
-        intermediate_size = down_split.local_size
-        # <<< ch21
+        gate_up_split = Split.even(1, intermediate_size, intermediate_size)  # [ch21]
+        down_split = Split.even(2, intermediate_size)  # [ch21]
+        intermediate_size = down_split.local_size  # each rank's slice of every expert  # [ch21]
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
         )

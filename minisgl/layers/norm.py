@@ -18,8 +18,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
-        # set by the model where this norm feeds a projection that can do it in its kernel
-        self.into_gemv = False  # [ch20]
+        self.into_gemv = False  # set where a projection's GEMV can do the norm  # [ch20]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # >>> ch19

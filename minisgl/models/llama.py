@@ -77,10 +77,8 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # >>> ch20 these norms feed a projection (qkv; a dense MLP's gate_up) that can do them
-        self.input_layernorm.into_gemv = True
-        self.post_attention_layernorm.into_gemv = isinstance(mlp, LlamaMLP)
-        # <<< ch20
+        self.input_layernorm.into_gemv = True  # it feeds qkv  # [ch20]
+        self.post_attention_layernorm.into_gemv = isinstance(mlp, LlamaMLP)  # [ch20]
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None
