@@ -79,18 +79,21 @@ def steady(llm: Any, args: argparse.Namespace) -> bool:
     return not sched.prefill.has_work and len(sched.decode.running) == args.batch_size
 
 
+UNSET = object()
+
+
 @contextmanager
 def patched(patches: dict[tuple[object, str], Any]) -> Iterator[None]:
     """Set attributes for the duration: instance attributes shadow methods and go again
     afterwards; module globals get their old value back."""
-    old = {key: vars(key[0]).get(key[1], patched) for key in patches}
+    old = {key: vars(key[0]).get(key[1], UNSET) for key in patches}
     for (obj, name), value in patches.items():
         setattr(obj, name, value)
     try:
         yield
     finally:
         for (obj, name), value in old.items():
-            if value is patched:
+            if value is UNSET:
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
@@ -195,7 +198,10 @@ def report(prof: profile, wall: float, steps: int, args: argparse.Namespace) -> 
 
 
 class Meter(Protocol):
-    on: bool  # set by `steady_window` over the steps it measures
+    """What `steady_window` drives: on over the steps it measures, and each step run
+    through it."""
+
+    on: bool
 
     def step(self, fn: Callable[[], list]) -> list: ...
 
