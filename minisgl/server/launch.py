@@ -63,8 +63,10 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:
     if args.node_rank > 0:  # a machine that hosts ranks only serves nothing  # [ch21]
         return await wait_for_ranks(tree.procs)  # [ch21]
-    if args.shell:  # the shell instead of the HTTP server  # [ch17]
-        return await run_shell(Frontend(tree.ipc_dir), tree)  # [ch17]
+    # >>> ch17 the shell instead of the HTTP server
+    if args.shell:
+        return await run_shell(Frontend(tree.ipc_dir), tree)
+    # <<< ch17
     return await _serve(args, tree)
 
 
