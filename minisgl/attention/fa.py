@@ -50,7 +50,7 @@ class FlashAttnBackend(TritonAttnBackend):
     name = "fa"
     devices = ("cuda",)
     auto_devices = ()  # only when asked for by name
-    cuda_graphs = ("decode",)  # [ch18]
+    cuda_graphs = ("decode",)
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:

@@ -47,7 +47,7 @@ class TritonAttnBackend(BaseAttnBackend):
     name = "triton"
     devices = ("cuda", "cpu")
     auto_devices = ("cuda",)  # on a CPU the interpreter is for checking, never the default
-    cuda_graphs = ("decode", "prefill")  # [ch18]
+    cuda_graphs = ("decode", "prefill")
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
