@@ -31,11 +31,8 @@ class LLM:
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         config = SchedulerConfig(model_path, dtype=dtype, device=device, **kwargs)
-        # >>> ch21 this process is rank 0; ranks 1..tp_size-1 get processes of their own,
-        # ended when this LLM goes unless shut down before, even if it never finished starting
-        config, self._followers = start_followers(config)
-        weakref.finalize(self, stop_followers, self._followers, 0.0)
-        # <<< ch21
+        config, self._followers = start_followers(config)  # this process is rank 0  # [ch21]
+        weakref.finalize(self, stop_followers, self._followers, 0.0)  # if never shut down  # [ch21]
         self.scheduler = Scheduler(config, self.tokenizer.eos_token_ids)
         self.engine = self.scheduler.engine
         self._uids = itertools.count()

@@ -7,7 +7,9 @@ Requests join and leave between any two steps: that is continuous batching.
 With overlap scheduling the step launches batch N+1 *before* it reads batch N's tokens,
 so the host's bookkeeping for N (detokenizing, finishing, freeing) runs while the device
 computes N+1. The host state is then one step behind: a request that ends at N may sit
-in batch N+1, whose extra token is dropped, never sent and never freed twice.
+in batch N+1, whose extra token is dropped, never sent and never freed twice. Overlap is
+on by default only on CUDA: a CPU computes the forward itself, so it has nothing to hide
+host work behind, and each result would only come out a step later.
 """
 
 from __future__ import annotations
@@ -54,11 +56,8 @@ class Scheduler:
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length)
         self.decode = DecodeManager()
         self.reqs: dict[int, Req] = {}  # admitted and not finished, by uid
-        # >>> ch12 overlap hides host work behind the device's; a CPU has nothing to hide it
-        # behind, and each result would only come out a step later
-        disabled = ENV.DISABLE_OVERLAP_SCHEDULING.value
-        self.overlap = engine.device.type == "cuda" if disabled is None else not disabled
-        # <<< ch12
+        disabled = ENV.DISABLE_OVERLAP_SCHEDULING.value  # [ch12]
+        self.overlap = engine.device.type == "cuda" if disabled is None else not disabled  # [ch12]
         self._in_flight: InFlight | None = None
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
         self.num_preemptions = 0
