@@ -32,6 +32,7 @@ from minisgl.distributed.info import set_tp_info
 from minisgl.engine.limits import EngineLimits
 from minisgl.engine.ranks import check_ranks_agree
 from minisgl.kvcache.allocator import page_slots
+from minisgl.layers.parallel import check_tp
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.tokenizer.tokenizer import Tokenizer
@@ -120,11 +121,11 @@ def test_tp2_logits_match_tp1(tmp_path: Path) -> None:
 
 def test_indivisible_shapes_are_named_before_loading() -> None:
     config = ModelConfig.from_path(need(SMOL))  # 9 query heads, 3 KV heads
-    config.check_tp(3)
+    check_tp(config, 3)
     with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by 2"):
-        config.check_tp(2)
+        check_tp(config, 2)
     with pytest.raises(ValueError, match="num_key_value_heads 3 neither divides 4"):
-        config.check_tp(4)
+        check_tp(config, 4)
     with pytest.raises(ValueError, match="num_attention_heads 9"):
         LLM(str(SMOL), device="cpu", tp_size=2)  # refused before any rank starts
 

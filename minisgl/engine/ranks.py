@@ -17,6 +17,7 @@ import torch
 from minisgl.distributed import agree_min, broadcast_bytes, get_tp_info, init_distributed
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.limits import EngineLimits
+from minisgl.layers.parallel import check_tp
 from minisgl.message.codec import decode, encode
 from minisgl.models.config import ModelConfig
 
@@ -30,7 +31,7 @@ def join_ranks(
     """Check that the model splits over the ranks, take this rank's device and join the
     group. On CUDA each rank of a machine has a GPU of its own; on a CPU the ranks of a
     machine share its threads rather than each taking them all."""
-    model_config.check_tp(config.tp_size)  # before anything is loaded
+    check_tp(model_config, config.tp_size)  # before anything is loaded
     per_node = config.tp_size // config.nnodes
     if device.type == "cuda" and config.tp_size > 1:
         device = torch.device("cuda", config.tp_rank % per_node)

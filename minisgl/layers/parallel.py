@@ -14,13 +14,35 @@ read a rank's slice of a checkpoint tensor and nothing more.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Split, all_reduce, get_tp_info
+
+if TYPE_CHECKING:
+    from minisgl.models.config import ModelConfig
+
+
+def check_tp(config: ModelConfig, tp_size: int) -> None:
+    """Raise ValueError, naming each shape, if the model cannot be cut into tp_size shares:
+    before anything is loaded or any rank is started."""
+    sizes = {"num_attention_heads": config.num_heads, "vocab_size": config.vocab_size}
+    moe = config.moe
+    if moe is None or any(not moe.is_moe_layer(i) for i in range(config.num_layers)):
+        sizes["intermediate_size"] = config.intermediate_size
+    if moe is not None:
+        sizes["moe_intermediate_size"] = moe.intermediate_size
+    problems = [f"{k} {v} is not divisible by {tp_size}" for k, v in sizes.items() if v % tp_size]
+    kv = config.num_kv_heads
+    if kv % tp_size and tp_size % kv:  # fewer KV heads than ranks: each must serve whole ranks
+        problems.append(
+            f"num_key_value_heads {kv} neither divides {tp_size} nor is divisible by it"
+        )
+    if problems:
+        raise ValueError(f"cannot split this model over {tp_size} ranks: {'; '.join(problems)}")
 
 
 def rank_shape(split: Split | None, *shape: int) -> tuple[int, ...]:

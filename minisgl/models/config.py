@@ -83,27 +83,6 @@ class ModelConfig:
             raise FileNotFoundError(f"{path} not found: is {model_path} a model folder?")
         return cls.from_dict(json.loads(path.read_text()))
 
-    # >>> ch21
-    def check_tp(self, tp_size: int) -> None:
-        """Raise ValueError, naming each shape, if the model cannot be cut into tp_size shares."""
-        sizes = {"num_attention_heads": self.num_heads, "vocab_size": self.vocab_size}
-        if self.moe is None or any(not self.moe.is_moe_layer(i) for i in range(self.num_layers)):
-            sizes["intermediate_size"] = self.intermediate_size
-        if self.moe is not None:
-            sizes["moe_intermediate_size"] = self.moe.intermediate_size
-        problems = [
-            f"{k} {v} is not divisible by {tp_size}" for k, v in sizes.items() if v % tp_size
-        ]
-        kv = self.num_kv_heads
-        if kv % tp_size and tp_size % kv:  # fewer KV heads than ranks: each must serve whole ranks
-            problems.append(
-                f"num_key_value_heads {kv} neither divides {tp_size} nor is divisible by it"
-            )
-        if problems:
-            raise ValueError(f"cannot split this model over {tp_size} ranks: {'; '.join(problems)}")
-
-    # <<< ch21
-
 
 def _rope_theta(raw: dict[str, Any]) -> float:
     # transformers 5 writes `rope_parameters: {rope_theta, rope_type}`; older configs use

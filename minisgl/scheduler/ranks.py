@@ -26,6 +26,7 @@ from typing import Any
 from setproctitle import setproctitle
 
 from minisgl.distributed import broadcast_bytes, get_tp_info
+from minisgl.layers.parallel import check_tp
 from minisgl.message.backend import StopMsg, UserMsg
 from minisgl.message.codec import decode, encode
 from minisgl.models.config import ModelConfig
@@ -91,7 +92,7 @@ def start_followers(
     """
     if config.tp_size == 1:
         return config, []
-    ModelConfig.from_path(config.model_path).check_tp(config.tp_size)
+    check_tp(ModelConfig.from_path(config.model_path), config.tp_size)
     if config.dist_init_addr is None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from minisgl.layers.parallel import check_tp
 from minisgl.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -29,6 +30,6 @@ def check_tp_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.nnodes > 1 and a.dist_init_addr is None:
         p.error("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, on every node)")
     try:
-        ModelConfig.from_path(a.model).check_tp(a.tp_size)
+        check_tp(ModelConfig.from_path(a.model), a.tp_size)
     except ValueError as e:
         p.error(f"--tp-size: {e}")
