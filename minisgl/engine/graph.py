@@ -243,9 +243,9 @@ class GraphRunner:
         _synchronize(self.device)
         used = (free_before - _free_memory(self.device)) / 2**20
         logger.info(
-            "captured %d %s in %.2fs%s: %s",
-            len(todo),
+            "captured %s (%d) in %.2fs%s: %s",
             "emulated graphs" if self.stream is None else "CUDA graphs",
+            len(todo),
             time.perf_counter() - start,
             f" ({used:.0f} MiB)" if self.device.type == "cuda" else "",
             "; ".join(f"{k.phase} {[(s.slots, s.tokens) for s in k.shapes]}" for k in plan.kinds),
