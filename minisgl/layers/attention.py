@@ -51,8 +51,7 @@ class AttentionLayer(nn.Module):
         q, k = self.rotary(get_global_ctx().batch.positions, q, k)
         return self.attend(q, k, v).reshape(-1, q_size)
 
-    # Prefill attention plans on the host: in a prefill graph it runs between segments.
-    @eager_on_graph  # [ch23]
+    @eager_on_graph  # prefill attention plans on the host: it runs between segments  # [ch23]
     def attend(
         self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:

@@ -52,8 +52,7 @@ class LMHead(Linear):
         return self.project(hidden)
 
     # >>> ch04
-    # Which rows moves with every prefill: in a prefill graph they are picked eagerly.
-    @eager_on_graph  # [ch23]
+    @eager_on_graph  # which rows moves with every prefill: picked between segments  # [ch23]
     def rows_to_project(self, hidden: torch.Tensor) -> torch.Tensor:
         batch = core.get_global_ctx().batch
         rows = batch.attn_metadata.get_last_indices()

@@ -15,8 +15,9 @@ import sys
 import uvicorn
 
 from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
-from minisgl.server.api_server import Frontend, create_app
+from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.shell import run_shell  # [ch17]
 
