@@ -171,8 +171,8 @@ class GraphPlan:
 
     @classmethod
     def of(cls, engine: Engine) -> GraphPlan:
-        """The decode batch sizes, and each later chapter's kinds (all the settings are read
-        here). None where the model or the backend cannot be captured on CUDA."""
+        """The decode graphs, whose settings are all read here: no sizes where the model or
+        the backend cannot be captured on CUDA. Later chapters' kinds join the plan after."""
         config, device = engine.config, engine.device
         plan = cls([], engine.max_seq_len, device.type != "cuda" or config.debug_cuda_graph)
         blocker = engine.model.cuda_graph_blocker if not plan.emulated else None
