@@ -1079,7 +1079,7 @@ def test_models_lists_the_served_model(server, client):
     assert body["object"] == "list" and body["data"][0]["object"] == "model"
 
 
-SAMPLE = re.compile(r'^[a-z_:][a-z0-9_:]*(\{le="[^"]+"\})? -?[0-9.e+-]+$')
+SAMPLE = re.compile(r'^[a-z_:][a-z0-9_:]*(\{(le|status)="[^"]+"\})? -?[0-9.e+-]+$')
 
 
 def test_metrics_are_prometheus_text(server, client, tok):

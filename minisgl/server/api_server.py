@@ -38,16 +38,17 @@ def create_app(
     healthy: Callable[[], bool],
     vocab_size: int,
     aliases: tuple[str, ...] = (),
+    ready: Callable[[], bool] | None = None,  # healthy, and admitting requests
 ) -> FastAPI:
     app = FastAPI(title="minisgl")
 
     def refuse(error: APIError, headers: dict[str, str] | None = None) -> Response:
-        frontend.metrics.failed_requests.inc()
+        frontend.metrics.error_responses.labels(str(error.status)).inc()
         return error_response(error, headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return refuse(exc)
+        return refuse(exc, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -81,7 +82,7 @@ def create_app(
     async def _bug(request: Request, exc: Exception) -> Response:
         # Still an error body a client can read; the traceback goes to the log as well.
         message = f"internal error ({type(exc).__name__}); the server log has the details"
-        return error_response(APIError(500, message, kind="server_error"))
+        return refuse(APIError(500, message, kind="server_error"))
 
     @app.get("/health")
     async def health() -> Response:
@@ -89,26 +90,39 @@ def create_app(
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "a worker process died"}, status_code=503)
 
+    @app.get("/ready")
+    async def is_ready() -> Response:
+        if (ready or healthy)():
+            return JSONResponse({"status": "ready"})
+        return JSONResponse({"status": "not admitting requests"}, status_code=503)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(frontend.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    def card(name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "minisgl"}
+
+    def no_such_model(name: str) -> APIError:
+        message = f"model {name!r} does not exist; this server has {model_name!r}"
+        return APIError(404, message, "model", code="model_not_found")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "minisgl"}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card(model_name)]}
+
+    @app.get("/v1/models/{name:path}")  # a model's name may hold slashes: org/model
+    async def model(name: str) -> dict[str, Any]:
+        if name != model_name and name not in aliases:
+            raise no_such_model(name)
+        return card(name)
 
     def sampling(
         body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
     ) -> list[SamplingParams]:
         """One SamplingParams per choice, after the checks the request models cannot make."""
         if body.model != model_name and body.model not in aliases:
-            raise APIError(
-                404,
-                f"model {body.model!r} does not exist; this server has {model_name!r}",
-                "model",
-                code="model_not_found",
-            )
+            raise no_such_model(body.model)
         for param, ids in body.token_ids().items():
             if outside := [t for t in ids if t >= vocab_size]:
                 message = f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
@@ -120,7 +134,8 @@ def create_app(
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:
-        prompt = body.prompt
+        # A list of prompts is a batch: each prompt's n choices are requests of their own, and
+        # choice i*n + j is prompt i's j-th, as OpenAI numbers them.
         msgs = [
             TokenizeMsg(
                 next(frontend.uids),
@@ -131,6 +146,7 @@ def create_app(
                 skip_special_tokens=body.skip_special_tokens,
                 echo=body.echo,  # [ch25]
             )
+            for prompt in body.prompts()
             for params in sampling(body, body.max_new_tokens())
         ]
         return await respond(body, msgs, chat=False)
@@ -150,7 +166,7 @@ def create_app(
         return await respond(body, msgs, chat=True)
 
     async def respond(body: Any, msgs: list[TokenizeMsg], chat: bool) -> Response:
-        queue, prompt_tokens = await frontend.open(msgs)
+        queue, prompt_tokens = await frontend.open(msgs, per_prompt=body.n)
         started = time.perf_counter()
         choices = {
             m.uid: Choice(m.uid, i, started=started, arrived=started) for i, m in enumerate(msgs)
@@ -164,8 +180,12 @@ def create_app(
             return StreamingResponse(events, media_type="text/event-stream")
         try:
             while any(c.finish_reason is None for c in choices.values()):
-                delta: DeltaMsg | RejectedMsg = await queue.get()
+                delta: DeltaMsg | RejectedMsg | APIError = await queue.get()
+                if isinstance(delta, APIError):  # the server failed or stops: see supervisor.py
+                    frontend.metrics.failed_requests.inc()
+                    raise delta
                 if isinstance(delta, RejectedMsg):  # the scheduler's refusal, after ours
+                    frontend.metrics.failed_requests.inc()
                     raise APIError(400, delta.message, code=delta.code)
                 choice = choices[delta.uid]
                 frontend.record(choice, delta)

@@ -44,13 +44,17 @@ class Choice:
 class Frontend:
     """The pipes to the tokenizer worker, and the routing of its answers by uid."""
 
-    def __init__(self, ipc_dir: str, kv_pages_total: int = 0) -> None:
+    def __init__(
+        self, ipc_dir: str, kv_pages_total: int = 0, max_requests: int | None = None
+    ) -> None:
         ctx = zmq.asyncio.Context()
         self.to_tokenizer = AsyncWriter(ctx, address(ipc_dir, "tokenizer"))
         self.inbox = AsyncReader(ctx, address(ipc_dir, "api"))
         self.queues: dict[int, asyncio.Queue] = {}
         self.uids = itertools.count()
         self.metrics = Metrics(kv_pages_total)
+        self.max_requests = max_requests  # running and queued together; beyond it, a 503
+        self.failure: APIError | None = None  # once set, every request gets it (fail)
 
     async def receive_forever(self) -> None:
         while True:
@@ -60,8 +64,17 @@ class Frontend:
             elif (queue := self.queues.get(msg.uid)) is not None:
                 queue.put_nowait(msg)
 
-    async def open(self, msgs: list[TokenizeMsg]) -> tuple[asyncio.Queue, int]:
-        """Submit the requests; returns their shared queue and their total prompt tokens."""
+    async def open(self, msgs: list[TokenizeMsg], per_prompt: int = 1) -> tuple[asyncio.Queue, int]:
+        """Submit the requests; returns their shared queue and their prompts' tokens, where
+        each run of `per_prompt` requests (the n choices of one prompt) counts its prompt once."""
+        if self.failure is not None:
+            raise self.failure
+        if self.max_requests is not None and len(self.queues) + len(msgs) > self.max_requests:
+            message = (
+                f"the server holds {len(self.queues)} requests, its limit is {self.max_requests}"
+                " (--max-running-requests plus --max-queued-requests); retry later"
+            )
+            raise APIError(503, message, kind="server_error", code="queue_full", retry_after=1)
         for msg in msgs:
             try:  # the request models let through only what msgpack carries; a last check
                 encode(msg)
@@ -77,15 +90,17 @@ class Frontend:
         try:
             while waiting:
                 reply = await queue.get()
+                if isinstance(reply, APIError):
+                    raise reply
                 if isinstance(reply, AcceptedMsg):
-                    prompt_tokens = reply.prompt_tokens
+                    prompt_tokens += reply.prompt_tokens
                 elif isinstance(reply, RejectedMsg):
                     refusal = reply
                 else:  # a choice already accepted may produce tokens before the others are
                     early.append(reply)
                     continue
                 waiting.discard(reply.uid)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, APIError):
             await self.close(uids, abort=True)
             raise
         if refusal is not None:
@@ -94,16 +109,25 @@ class Frontend:
             raise APIError(400, refusal.message, param, code=refusal.code)
         for reply in early + [queue.get_nowait() for _ in range(queue.qsize())]:
             queue.put_nowait(reply)  # back in their order, ahead of what came after
+        prompt_tokens //= per_prompt  # n choices share one prompt
         self.metrics.requests.inc(len(msgs))
-        self.metrics.prompt_tokens.inc(prompt_tokens)  # n choices share one prompt
+        self.metrics.prompt_tokens.inc(prompt_tokens)
         return queue, prompt_tokens
 
     async def close(self, uids: list[int], abort: bool) -> None:
         """Stop routing results for these requests; with `abort`, stop computing them too."""
+        if abort:
+            self.metrics.aborted_requests.inc(len(uids))
         for uid in uids:
             self.queues.pop(uid, None)
-            if abort:
+            if abort and self.failure is None:  # after a failure, the workers may be gone
                 self.to_tokenizer.send_nowait(AbortMsg(uid))
+
+    def fail(self, error: APIError) -> None:
+        """End every request now with `error`, and refuse every new one with it."""
+        self.failure = self.failure or error
+        for queue in set(self.queues.values()):
+            queue.put_nowait(self.failure)
 
     def record(self, choice: Choice, delta: DeltaMsg) -> None:
         now = time.perf_counter()

@@ -46,8 +46,22 @@ class Metrics:
     def __init__(self, kv_pages_total: int = 0) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter("minisgl:requests", "Requests accepted.", registry=r)
+        # An error rate is failed over accepted requests: both count requests that reached the
+        # engine. Refusals at the door (a bad body, an unknown path or model) are counted apart.
         self.failed_requests = Counter(
-            "minisgl:failed_requests", "Requests refused with an error.", registry=r
+            "minisgl:failed_requests", "Accepted requests that ended in an error.", registry=r
+        )
+        self.error_responses = Counter(
+            "minisgl:error_responses",
+            "HTTP answers with an error status, by status code.",
+            ["status"],
+            registry=r,
+        )
+        self.aborted_requests = Counter(
+            "minisgl:aborted_requests",
+            "Requests stopped unfinished: the client left, a sibling choice was refused,"
+            " or the server failed or stopped.",
+            registry=r,
         )
         self.prompt_tokens = Counter(
             "minisgl:prompt_tokens", "Prompt tokens of accepted requests.", registry=r

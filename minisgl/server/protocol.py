@@ -27,6 +27,7 @@ from minisgl.server.response_format import ResponseFormat, schema_text  # [ch25]
 
 UNLIMITED = 1 << 30  # "until EOS or the end of the context"
 INT64_END = 1 << 63  # msgpack carries integers of up to 64 bits; prompts and params stay below
+MAX_PROMPTS = 256  # prompts in one /v1/completions request, and their choices (times n)
 
 
 def _unicode(text: str) -> str:
@@ -53,6 +54,7 @@ class APIError(Exception):
         param: str | None = None,
         kind: str = "invalid_request_error",
         code: str | None = None,
+        retry_after: int | None = None,  # seconds, for a 503: the Retry-After header
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (
@@ -62,6 +64,7 @@ class APIError(Exception):
             kind,
             code,
         )
+        self.headers = {} if retry_after is None else {"Retry-After": str(retry_after)}
 
     def body(self) -> dict[str, Any]:
         err = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
@@ -163,15 +166,26 @@ class CompletionRequest(_Common):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        # A list of several prompts is a batch; we take one prompt per request.
-        if isinstance(v, list) and v and isinstance(v[0], str | list):
-            if len(v) != 1:
-                raise ValueError("send one prompt per request")
-            v = v[0]
-        if not v:
+    def _prompts(cls, v: Any) -> Any:
+        # A list of texts, or of token-id lists, is a batch: each prompt runs as its own request.
+        batch = v if isinstance(v, list) and v and isinstance(v[0], str | list) else [v]
+        if len(batch) > MAX_PROMPTS:
+            raise ValueError(f"{len(batch)} prompts in one request; send at most {MAX_PROMPTS}")
+        if not all(batch):
             raise ValueError("the prompt is empty")
         return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, one or a batch; each gets n choices, indexed prompt-major."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and isinstance(p[0], str | list) else [p]
+
+    @model_validator(mode="after")
+    def _choices(self) -> CompletionRequest:
+        if (total := len(self.prompts()) * self.n) > MAX_PROMPTS:
+            message = f"{total} choices (prompts times n); at most {MAX_PROMPTS} per request"
+            raise ValueError(message)
+        return self
 
 
 class ChatMessage(BaseModel):
