@@ -157,6 +157,7 @@ try:
             (
                 "minisgl:requests_total",
                 "minisgl:failed_requests_total",
+                "minisgl:error_responses_total",
                 "minisgl:generation_tokens_total",
                 "minisgl:kv_pages_capacity",
                 "minisgl:time_to_first_token_seconds_count",
