@@ -33,11 +33,12 @@ class AcceptedMsg:
 
 @dataclass
 class RejectedMsg:
-    """The request cannot run; `message` says why (for a 400)."""
+    """The request cannot run; `message` says why (for a 400, or a 500 where it hit a bug)."""
 
     uid: int
     message: str
     code: str | None = None  # OpenAI's machine-readable reason, e.g. "context_length_exceeded"
+    status: int = 400
 
 
 @dataclass

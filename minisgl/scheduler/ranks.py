@@ -21,6 +21,7 @@ import signal
 import socket
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
+from multiprocessing.synchronize import Event
 from typing import Any
 
 from setproctitle import setproctitle
@@ -67,8 +68,9 @@ def follow(scheduler: Scheduler) -> None:
             scheduler.step()
 
 
-def run_follower(config: SchedulerConfig, log_level: str) -> None:
+def run_follower(config: SchedulerConfig, log_level: str, started: Event) -> None:
     """A process of its own for rank `config.tp_rank` (> 0), until rank 0 stops it."""
+    started.set()  # it got past importing the parent's main module: see wait_started
     setproctitle(f"minisgl::scheduler-{config.tp_rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for whoever started us
     logging.basicConfig(
@@ -99,17 +101,39 @@ def start_followers(
             config = replace(config, dist_init_addr=f"127.0.0.1:{s.getsockname()[1]}")
     per_node = config.tp_size // config.nnodes
     first = node_rank * per_node
-    procs = []
+    spawn = mp.get_context("spawn")
+    procs, started = [], []
     for rank in range(max(first, 1), first + per_node):
-        proc = mp.get_context("spawn").Process(
+        started.append(spawn.Event())
+        proc = spawn.Process(
             target=run_follower,
-            args=(replace(config, tp_rank=rank), log_level),
+            args=(replace(config, tp_rank=rank), log_level, started[-1]),
             name=f"minisgl-scheduler-{rank}",
             daemon=True,
         )
         proc.start()
         procs.append(proc)
+    wait_started(procs, started)
     return config, procs
+
+
+def wait_started(procs: list[BaseProcess], started: list[Event]) -> None:
+    """Raise if a rank dies before it runs our code, rather than wait for it to join forever.
+
+    A spawned process first imports the main module of its parent; a script that builds an
+    LLM at its top level, without the main guard, starts ranks again from inside a rank, and
+    multiprocessing ends that rank before it reaches run_follower.
+    """
+    for proc, event in zip(procs, started):
+        while not event.wait(0.05):
+            if not proc.is_alive():
+                stop_followers(procs, timeout=0.0)
+                raise RuntimeError(
+                    f"tensor-parallel rank {proc.name} exited with code {proc.exitcode} while"
+                    " starting. Each rank is a new process that imports your main module: if"
+                    " a script creates LLM(tp_size=...) at its top level, put that code under"
+                    ' `if __name__ == "__main__":` (see the rank\'s error above)'
+                )
 
 
 def stop_followers(procs: list[BaseProcess], timeout: float = 10.0) -> None:

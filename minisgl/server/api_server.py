@@ -186,7 +186,7 @@ def create_app(
                     raise delta
                 if isinstance(delta, RejectedMsg):  # the scheduler's refusal, after ours
                     frontend.metrics.failed_requests.inc()
-                    raise APIError(400, delta.message, code=delta.code)
+                    raise APIError(delta.status, delta.message, code=delta.code)
                 choice = choices[delta.uid]
                 frontend.record(choice, delta)
                 choice.text.append(delta.text)

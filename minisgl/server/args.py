@@ -36,6 +36,8 @@ class ServerArgs:
     shell: bool
     served_model_name: str
     log_level: str
+    max_queued_requests: int
+    shutdown_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
 
 
@@ -85,10 +87,24 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--port", type=int, default=1919)
     p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests held beyond --max-running-requests; more get 503 (default 256)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, seconds running requests may take to finish (default 10)",
+    )
     a = p.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model: {a.model} is not a model folder (no config.json); try `make models`")
     check_tp_options(p, a)  # [ch21]
+    if a.max_queued_requests < 0 or a.shutdown_timeout < 0:
+        p.error("--max-queued-requests and --shutdown-timeout take a number >= 0")
     try:
         config = SchedulerConfig(model_path=a.model, dtype=_DTYPES[a.dtype], **p.config(a))
     except ValueError as e:
@@ -101,5 +117,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         a.shell,
         name,
         a.log_level.upper(),
+        a.max_queued_requests,
+        a.shutdown_timeout,
         a.node_rank,  # [ch21]
     )

@@ -54,7 +54,8 @@ class Frontend:
         self.uids = itertools.count()
         self.metrics = Metrics(kv_pages_total)
         self.max_requests = max_requests  # running and queued together; beyond it, a 503
-        self.failure: APIError | None = None  # once set, every request gets it (fail)
+        self.refusal: APIError | None = None  # once set, every new request gets it
+        self.failed = False  # every request was ended (`fail`): the workers may be gone
 
     async def receive_forever(self) -> None:
         while True:
@@ -67,14 +68,14 @@ class Frontend:
     async def open(self, msgs: list[TokenizeMsg], per_prompt: int = 1) -> tuple[asyncio.Queue, int]:
         """Submit the requests; returns their shared queue and their prompts' tokens, where
         each run of `per_prompt` requests (the n choices of one prompt) counts its prompt once."""
-        if self.failure is not None:
-            raise self.failure
+        if self.refusal is not None:
+            raise self.refusal
         if self.max_requests is not None and len(self.queues) + len(msgs) > self.max_requests:
             message = (
                 f"the server holds {len(self.queues)} requests, its limit is {self.max_requests}"
                 " (--max-running-requests plus --max-queued-requests); retry later"
             )
-            raise APIError(503, message, kind="server_error", code="queue_full", retry_after=1)
+            raise APIError(503, message, code="queue_full", retry_after=1)
         for msg in msgs:
             try:  # the request models let through only what msgpack carries; a last check
                 encode(msg)
@@ -106,7 +107,7 @@ class Frontend:
         if refusal is not None:
             await self.close(uids, abort=True)
             param = "messages" if msgs[0].messages else "prompt"
-            raise APIError(400, refusal.message, param, code=refusal.code)
+            raise APIError(refusal.status, refusal.message, param, code=refusal.code)
         for reply in early + [queue.get_nowait() for _ in range(queue.qsize())]:
             queue.put_nowait(reply)  # back in their order, ahead of what came after
         prompt_tokens //= per_prompt  # n choices share one prompt
@@ -120,14 +121,14 @@ class Frontend:
             self.metrics.aborted_requests.inc(len(uids))
         for uid in uids:
             self.queues.pop(uid, None)
-            if abort and self.failure is None:  # after a failure, the workers may be gone
+            if abort and not self.failed:
                 self.to_tokenizer.send_nowait(AbortMsg(uid))
 
     def fail(self, error: APIError) -> None:
         """End every request now with `error`, and refuse every new one with it."""
-        self.failure = self.failure or error
+        self.refusal, self.failed = error, True
         for queue in set(self.queues.values()):
-            queue.put_nowait(self.failure)
+            queue.put_nowait(error)
 
     def record(self, choice: Choice, delta: DeltaMsg) -> None:
         now = time.perf_counter()

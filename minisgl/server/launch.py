@@ -1,8 +1,8 @@
 """The entry point of `python -m minisgl`: parse the command line, start the workers, serve.
 
-The workers are a ProcessTree (processes.py), stopped whatever happens. While serving, a
-watchdog turns the server unhealthy and shuts it down if a worker dies, rather than
-leaving clients to hang.
+The workers are a ProcessTree (processes.py), stopped whatever happens. While serving, the
+Supervisor (supervisor.py) ends every request and the server if a worker dies, rather than
+leaving clients to hang, and drains on SIGTERM.
 """
 
 from __future__ import annotations
@@ -19,46 +19,35 @@ from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
+from minisgl.server.supervisor import Supervisor
 from minisgl.shell import run_shell  # [ch17]
 
 logger = logging.getLogger("minisgl")
-UNHEALTHY_GRACE_S = 2.0  # how long a server with a dead worker reports 503 before exiting
 
 
 async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     limits = tree.limits
     assert limits is not None, "the scheduler reports its limits when it is ready"
-    frontend = Frontend(tree.ipc_dir, limits.num_pages)
+    max_requests = limits.max_running_req + args.max_queued_requests
+    frontend = Frontend(tree.ipc_dir, limits.num_pages, max_requests)
     app = create_app(
         frontend,
         args.served_model_name,
-        lambda: tree.dead() is None,
+        lambda: server.live(),
         limits.vocab_size,
         aliases=(args.scheduler.model_path,),
+        ready=lambda: server.ready(),
     )
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
-    )
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    server = Supervisor(config, frontend, tree.dead, args.shutdown_timeout)
     receiver = asyncio.create_task(frontend.receive_forever())
-    exit_code = 0
-
-    async def watchdog() -> None:
-        nonlocal exit_code
-        while not server.should_exit:
-            if (proc := tree.dead()) is not None:
-                logger.error("%s exited with code %s: shutting down", proc.name, proc.exitcode)
-                # Answer /health with 503 for a moment, so that monitors see why we go.
-                await asyncio.sleep(UNHEALTHY_GRACE_S)
-                exit_code, server.should_exit = 1, True
-            await asyncio.sleep(0.5)
-
-    watcher = asyncio.create_task(watchdog())
+    watcher = asyncio.create_task(server.watch())
     try:
         await server.serve()
     finally:
         receiver.cancel()
         watcher.cancel()
-    return exit_code
+    return server.exit_code
 
 
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:

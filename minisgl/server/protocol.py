@@ -52,7 +52,7 @@ class APIError(Exception):
         status: int,
         message: str,
         param: str | None = None,
-        kind: str = "invalid_request_error",
+        kind: str | None = None,  # by default, the client's error below 500, else ours
         code: str | None = None,
         retry_after: int | None = None,  # seconds, for a 503: the Retry-After header
     ) -> None:
@@ -61,7 +61,7 @@ class APIError(Exception):
             status,
             _printable(message),
             None if param is None else _printable(param),
-            kind,
+            kind or ("invalid_request_error" if status < 500 else "server_error"),
             code,
         )
         self.headers = {} if retry_after is None else {"Retry-After": str(retry_after)}

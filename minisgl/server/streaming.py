@@ -33,10 +33,14 @@ async def stream(
                     [shape.chunk_choice(c.index, {"role": "assistant", "content": ""}, None)]
                 )
         while any(c.finish_reason is None for c in choices.values()):
-            delta: DeltaMsg | RejectedMsg = await queue.get()
+            delta: DeltaMsg | RejectedMsg | APIError = await queue.get()
+            if isinstance(delta, APIError):  # the server failed or stops: see supervisor.py
+                frontend.metrics.failed_requests.inc()
+                yield f"data: {json.dumps(delta.body())}\n\n"
+                return
             if isinstance(delta, RejectedMsg):  # too late for a status: an error event
                 frontend.metrics.failed_requests.inc()
-                error = APIError(400, delta.message, code=delta.code)
+                error = APIError(delta.status, delta.message, code=delta.code)
                 yield f"data: {json.dumps(error.body())}\n\n"
                 return
             choice = choices[delta.uid]

@@ -2,7 +2,8 @@
 generated tokens back as text.
 
 It runs in its own process so that tokenizing a long prompt or detokenizing a big batch
-never stalls the HTTP server's event loop or the scheduler's step.
+never stalls the HTTP server's event loop or the scheduler's step. A bug that one request
+hits here (its state is its own detokenizer) fails that request with a 500, not the worker.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class TokenizerWorker:
             code = e.code if isinstance(e, PromptTooLong) else None
             self.to_api.send(RejectedMsg(msg.uid, str(e), code))
             return
+        except Exception as e:
+            self.fail(msg.uid, "tokenizing", e)
+            return
         self.detoks[msg.uid] = IncrementalDetokenizer(
             self.tokenizer, ids, msg.stop, msg.skip_special_tokens
         )
@@ -88,8 +92,20 @@ class TokenizerWorker:
 
     def handle_scheduler(self, out: SchedulerOutput) -> None:
         for msg in out.tokens:
-            self.handle_token(msg)
+            try:
+                self.handle_token(msg)
+            except Exception as e:
+                if self.detoks.pop(msg.uid, None) is not None and not msg.finished:
+                    self.to_scheduler.send(AbortMsg(msg.uid))
+                self.fail(msg.uid, "detokenizing", e)
         self.to_api.send(out.stats)
+
+    def fail(self, uid: int, doing: str, e: Exception) -> None:
+        """One request hit a bug: it ends with a 500; the log has the traceback."""
+        logger.exception("request %d failed while %s", uid, doing)
+        self.logprob_texts.forget(uid)  # [ch25]
+        message = f"internal error while {doing} the request ({type(e).__name__}: {e})"
+        self.to_api.send(RejectedMsg(uid, message, status=500))
 
     def handle_token(self, msg: TokenMsg) -> None:
         detok = self.detoks.get(msg.uid)

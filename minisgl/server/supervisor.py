@@ -1,0 +1,121 @@
+"""Fail fast, drain gently: what the HTTP server does when a worker dies or a signal comes.
+
+A dead worker (killed, crashed, or exited, whichever one) is fatal: the engine's state went
+with it, so no request in flight can finish and none should wait for it. Every client gets
+a 503 at once (a stream gets an error event and ends), /health turns 503, and the server
+exits 1, so that whoever runs it (systemd, Docker, Kubernetes) starts a fresh one.
+
+SIGTERM or SIGINT asks the server to stop: it admits nothing more (503, and /ready says
+so), lets the running requests finish for up to `shutdown_timeout` seconds, ends the rest
+with a 503, and exits 0. A second signal skips the wait. uvicorn's own handlers would stop
+listening at once and wait for every connection without a bound; these replace them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+import uvicorn
+
+from minisgl.server.frontend import Frontend
+from minisgl.server.protocol import APIError
+
+logger = logging.getLogger("minisgl")
+POLL_S = 0.1  # how often the workers are looked at, and a drain looks for the last request
+UNHEALTHY_GRACE_S = 1.0  # /health answers 503 this long before a server with a dead worker exits
+CONNECTIONS_TIMEOUT_S = 3  # after the last request has its answer, for connections to close
+
+
+class Supervisor(uvicorn.Server):
+    """uvicorn's server, with a watch on the workers and a bounded drain on signals."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        frontend: Frontend,
+        dead: Callable[[], BaseProcess | None],
+        shutdown_timeout: float,
+    ) -> None:
+        config.timeout_graceful_shutdown = CONNECTIONS_TIMEOUT_S
+        super().__init__(config)
+        self.frontend = frontend
+        self.dead = dead  # the first worker found dead, or None
+        self.shutdown_timeout = shutdown_timeout
+        self.draining = False
+        self.exit_code = 0
+
+    def live(self) -> bool:
+        return self.dead() is None and self.exit_code == 0
+
+    def ready(self) -> bool:
+        return self.live() and not self.draining
+
+    async def watch(self) -> None:
+        """Look at the workers until the server stops; a dead one ends every request."""
+        while not self.should_exit:
+            if (proc := self.dead()) is not None:
+                logger.error(
+                    "the %s worker exited with code %s: failing every request; exiting",
+                    proc.name,
+                    proc.exitcode,
+                )
+                message = (
+                    f"the server lost its {proc.name} worker (exit code {proc.exitcode}) and"
+                    " is shutting down; retry when it is back"
+                )
+                self.exit_code = 1
+                self.frontend.fail(APIError(503, message, retry_after=5))
+                await asyncio.sleep(UNHEALTHY_GRACE_S)  # so that monitors see why we go
+                self.should_exit = True
+                return
+            await asyncio.sleep(POLL_S)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        loop = asyncio.get_running_loop()
+
+        def handler(sig: int, frame: FrameType | None) -> None:
+            loop.call_soon_threadsafe(self.on_signal, signal.Signals(sig))
+
+        before = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in before.items():
+                signal.signal(sig, old)
+
+    def on_signal(self, sig: signal.Signals) -> None:
+        if self.draining:
+            logger.warning("%s again: ending every request now", sig.name)
+            self.stop()
+            return
+        self.draining = True
+        message = "the server is shutting down and admits no more requests; retry elsewhere"
+        self.frontend.refusal = APIError(503, message, retry_after=5)
+        logger.info(
+            "%s: admitting no more requests; waiting up to %s s for %d running",
+            sig.name,
+            self.shutdown_timeout,
+            len(self.frontend.queues),
+        )
+        asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.frontend.queues and time.monotonic() < deadline:
+            await asyncio.sleep(POLL_S)
+        if self.frontend.queues:
+            logger.warning("%d requests still running: ending them", len(self.frontend.queues))
+        self.stop()
+
+    def stop(self) -> None:
+        message = "the server is shutting down; retry on another replica or when it is back"
+        self.frontend.fail(APIError(503, message, retry_after=5))
+        self.should_exit = True
