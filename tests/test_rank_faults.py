@@ -1,0 +1,72 @@
+"""Tensor-parallel ranks that die, in the offline LLM: it raises within seconds, never waits.
+
+Each scenario is a script of its own in a fresh interpreter, as a user would run it: a
+rank is a spawned process that imports the script, and a failed rank 0 leaves its process
+group behind, which must not leak into other tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import ROOT, TINY, need
+
+NO_GUARD = """
+import torch
+from minisgl.llm import LLM
+
+LLM({model!r}, dtype=torch.float32, device="cpu", tp_size=2)
+print("started")
+"""
+
+KILL_A_RANK = """
+import os, signal, threading, time
+import torch
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+
+if __name__ == "__main__":
+    llm = LLM({model!r}, dtype=torch.float32, device="cpu", tp_size=2, num_page_override=256)
+    follower = llm._followers[0].pid
+    threading.Timer(1.0, os.kill, (follower, signal.SIGKILL)).start()
+    killed = time.monotonic() + 1.0
+    try:
+        llm.generate(["hello"] * 2, SamplingParams(max_tokens=1500, ignore_eos=True))
+    except Exception as e:
+        print(f"raised {{time.monotonic() - killed:.2f}} s after the kill: {{type(e).__name__}}")
+    else:
+        print("generate finished")
+"""
+
+
+def run_script(
+    tmp_path: Path, text: str, timeout: float = 120
+) -> tuple[subprocess.CompletedProcess, float]:
+    script = tmp_path / "script.py"
+    script.write_text(text.format(model=str(need(TINY["llama"]))))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    return out, time.monotonic() - started
+
+
+def test_tp_llm_in_a_script_without_the_main_guard_fails_naming_the_guard(tmp_path):
+    out, took = run_script(tmp_path, NO_GUARD)
+    assert out.returncode != 0 and "started" not in out.stdout, out.stdout
+    assert 'put that code under `if __name__ == "__main__":`' in out.stderr, out.stderr[-2000:]
+    assert took < 60, f"it took {took:.0f} s to fail"
+
+
+def test_a_rank_killed_mid_generate_makes_generate_raise(tmp_path):
+    out, _ = run_script(tmp_path, KILL_A_RANK)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "raised" in out.stdout, out.stdout + out.stderr[-2000:]
+    seconds = float(out.stdout.split("raised ")[1].split(" s")[0])
+    assert seconds < 10, out.stdout
+    print(out.stdout.strip())
