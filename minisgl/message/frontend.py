@@ -18,6 +18,7 @@ class TokenizeMsg:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
     input_ids: list[int] | None = None
+    template_vars: dict[str, Any] = field(default_factory=dict)  # for the chat template: tools
     stop: list[str] = field(default_factory=list)  # cut the text here, and end the request
     skip_special_tokens: bool = True
     echo: bool = False  # send the prompt's text back with the first delta  # [ch25]

@@ -26,6 +26,7 @@ from minisgl.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from minisgl.server.responses import ResponseShape
 from minisgl.server.streaming import stream
+from minisgl.server.tools import tool_output  # [ch25]
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -158,6 +159,7 @@ def create_app(
                 next(frontend.uids),
                 params,
                 messages=body.plain_messages(),
+                template_vars=body.template_vars(),  # [ch25]
                 stop=body.stop_strings(),
                 skip_special_tokens=body.skip_special_tokens,
             )
@@ -174,6 +176,7 @@ def create_app(
         for c in choices.values():  # [ch25]
             c.full.hidden = body.max_tokens == 0  # [ch25]
         shape = ResponseShape(chat, model_name, body.logprobs)
+        shape.tools = tool_output(body.tools, body.tool_choice) if chat else None  # [ch25]
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream(frontend, queue, choices, shape, prompt_tokens, usage)

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from minisgl.core import SamplingParams
+from minisgl.server import tools as calling  # [ch25]
 from minisgl.server.response_format import ResponseFormat, schema_text  # [ch25]
 
 UNLIMITED = 1 << 30  # "until EOS or the end of the context"
@@ -132,12 +133,15 @@ class _Common(BaseModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=dict(self.logit_bias or {}),  # [ch25]
-            json_schema=schema_text(self.response_format),  # [ch25]
+            json_schema=self.output_schema(),  # [ch25]
             **self.logprob_params(),
         )
 
     def logprob_params(self) -> dict[str, Any]:
         raise NotImplementedError  # each endpoint asks for them its own way
+
+    def output_schema(self) -> str | None:  # [ch25]
+        return schema_text(self.response_format)  # [ch25]
 
 
 class CompletionRequest(_Common):
@@ -192,7 +196,9 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Text | list[dict[str, Any]]
+    content: Text | list[dict[str, Any]] | None = None
+    tool_calls: list[calling.AssistantCall] | None = None  # an assistant's, sent back  # [ch25]
+    tool_call_id: str | None = None  # a tool's result answers this call  # [ch25]
 
     @model_validator(mode="after")
     def _text_only(self) -> ChatMessage:
@@ -200,6 +206,10 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
+        if self.content is None:
+            if self.tool_calls:  # an assistant's calls stand in for its text  # [ch25]
+                return ""  # [ch25]
+            raise ValueError("the message has no content")
         if isinstance(self.content, str):
             return self.content
         parts = []
@@ -217,7 +227,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    # Tool calling is not implemented: refused, rather than silently answered without tools.
+    # Tool calling comes with chapter 25 (`tools.py`: list[Tool], ToolChoice); until then it
+    # is refused, rather than silently answered without tools.
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None  # the deprecated spelling of tools
@@ -225,9 +236,11 @@ class ChatCompletionRequest(_Common):
 
     @field_validator("tools", "tool_choice", "functions", "function_call")
     @classmethod
-    def _no_tools(cls, v: Any) -> Any:
+    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.field_name in ("tools", "tool_choice"):  # [ch25]
+            return calling.check_tools(info.field_name, v, info.data)  # [ch25]
         if v is not None:
-            raise ValueError("tool calling is not supported by this server; leave it out or null")
+            raise ValueError(f"{info.field_name} is not supported by this server; leave it out")
         return v
 
     @field_validator("top_logprobs")
@@ -246,5 +259,19 @@ class ChatCompletionRequest(_Common):
             "top_logprobs": self.top_logprobs or 0,  # [ch25]
         }
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def plain_messages(self) -> list[dict[str, Any]]:
+        plain: list[dict[str, Any]] = [{"role": m.role, "content": m.text()} for m in self.messages]
+        calling.add_tool_fields(plain, self.messages)  # [ch25]
+        return plain
+
+    # >>> ch25 tools
+    def output_schema(self) -> str | None:
+        return calling.call_schema(self.tools, self.tool_choice) or schema_text(
+            self.response_format
+        )
+
+    def template_vars(self) -> dict[str, Any]:
+        tools = calling.template_tools(self.tools, self.tool_choice)
+        return {} if tools is None else {"tools": tools}
+
+    # <<< ch25

@@ -9,6 +9,7 @@ from typing import Any
 
 from minisgl.server.frontend import Choice
 from minisgl.server.logprobs import add_chat_details, add_echo, completion_details  # [ch25]
+from minisgl.server.tools import ToolOutput  # [ch25]
 
 
 class ResponseShape:
@@ -21,6 +22,7 @@ class ResponseShape:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.tools: ToolOutput | None = None  # where the answer may hold tool calls  # [ch25]
 
     def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, int]:
         completion = sum(c.tokens for c in choices)
@@ -63,6 +65,8 @@ class ResponseShape:
             }
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
+                if self.tools is not None:  # [ch25]
+                    self.tools.whole(body)  # [ch25]
             else:
                 body["text"] = text
             add_echo(body, c.full, self.logprobs)  # [ch25]
@@ -82,6 +86,8 @@ class ResponseShape:
     def delta_choice(self, c: Choice, text: str, logprobs: list[float]) -> dict[str, Any]:
         if self.chat:
             body = self.chunk_choice(c.index, {"content": text}, c.finish_reason)
+            if self.tools is not None:  # [ch25]
+                self.tools.delta(c.index, body)  # [ch25]
         else:
             body = {"index": c.index, "text": text, "finish_reason": c.finish_reason}
         body["logprobs"] = self._logprobs(c, len(c.logprobs) - len(logprobs))

@@ -16,6 +16,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
+from minisgl.tokenizer.tools import tools_in_messages  # [ch25]
+
 
 class Tokenizer:
     def __init__(self, model_path: str | Path) -> None:
@@ -40,15 +42,19 @@ class Tokenizer:
         return self.rust.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **variables: Any
     ) -> str:
+        """The prompt for a conversation; `variables` are what else the template reads (tools)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: send plain completions instead")
+        if "tools" not in self.chat_template:  # it knows no tools: write them out  # [ch25]
+            messages = tools_in_messages(messages, variables.pop("tools", None))  # [ch25]
         return _compile(self.chat_template).render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **variables,
         )
 
     def _eos_ids(self, path: Path) -> set[int]:

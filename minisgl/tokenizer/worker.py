@@ -83,7 +83,7 @@ class TokenizerWorker:
             return msg.input_ids
         if msg.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template(msg.messages)
+                text = self.tokenizer.apply_chat_template(msg.messages, **msg.template_vars)
             except Exception as e:  # a template may reject a conversation (e.g. roles order)
                 raise ValueError(f"the chat template rejected the messages: {e}") from None
             # The template already wrote the special tokens it wants.
