@@ -1,309 +1,98 @@
-"""Tool calling in chat: the parsers on model outputs, calls forced by the grammar whose
-arguments follow the schema, the official openai client's round trip (whole and streamed),
-and a conversation that sends a tool's result back.
+"""Every tool in tools/ runs: each one answers --help and is listed in tools/README.md, and
+the benchmarks run their CPU smoke mode on a tiny model, a few seconds each.
 
-SmolLM2's chat template knows no tools, so the tokenizer worker writes them in the Hermes
-form (`tokenizer/tools.py`); the 135M model does not call a tool on its own, so the calls
-here are forced ("required" or a named function), and the free ("auto") path is tested on
-recorded outputs and on SmolLM2's own answer that opens a `<tool_call>` and writes prose.
+The tools that chapters bring are run at full length with their chapters: profile_step.py
+in test_ch24_measuring.py, check_tp.py in test_check_tp.py, bench_serving.py and soak.py
+against a live server in test_serving_tools.py, steps.py in test_steps.py.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from typing import Any
+import subprocess
+import sys
 
-import openai
 import pytest
-from helpers import SMOL, need
-from test_server import MODEL, Server, check_error, descendants, launch, stop, wait_ready
+from helpers import ROOT, TINY, need, run_tool
 
-from minisgl.server.tool_parsers import ToolCall, find_calls
-from minisgl.server.tools import ToolOutput
-from minisgl.tokenizer.tokenizer import Tokenizer
+TOOLS = ROOT / "tools"
+SCRIPTS = sorted(p for p in TOOLS.rglob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 
-try:
-    import httpx
-except ModuleNotFoundError:  # the openai client may come with the httpx2 fork instead
-    import httpx2 as httpx
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city for the next days",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "unit", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string"}},
-            "required": ["zone"],
-        },
-    },
-}
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    need(SMOL)
-    # The tools' instructions take some 200 tokens of the prompt.
-    srv = launch(tmp_path_factory.mktemp("tools"), "--max-seq-len-override", "1024")
-    pids: list[int] = []
+# One process asks every tool for its help, so torch and minisgl are imported once.
+HELP = """
+import contextlib, io, runpy, sys
+failed = []
+for path in sys.argv[1:]:
+    sys.argv, sys.path[0], out = [path, "--help"], path.rsplit("/", 1)[0], io.StringIO()
     try:
-        wait_ready(srv)
-        pids = descendants(srv.proc.pid)
-        yield srv
-    finally:
-        stop(srv, pids)
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code == 0 and "usage:" in out.getvalue():
+            continue
+    failed.append(path)
+print("failed:", *failed)
+"""
 
 
-@pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=300, max_retries=0)
-
-
-def follows_weather_schema(arguments: str) -> bool:
-    args = json.loads(arguments)
-    return (
-        set(args) == {"city", "unit", "days"}
-        and isinstance(args["city"], str)
-        and args["unit"] in ("celsius", "fahrenheit")
-        and type(args["days"]) is int
-        and 1 <= args["days"] <= 7
+def test_every_tool_answers_help() -> None:
+    assert len(SCRIPTS) >= 14, SCRIPTS
+    r = subprocess.run(
+        [sys.executable, "-c", HELP, *map(str, SCRIPTS)],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
+    assert r.returncode == 0 and r.stdout.strip() == "failed:", r.stdout + r.stderr[-3000:]
 
 
-# ---- parsers ------------------------------------------------------------------------------
+def test_shell_recipes_parse() -> None:
+    for script in TOOLS.rglob("*.sh"):
+        r = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert r.returncode == 0, f"{script}: {r.stderr}"
 
-RECORDED: list[tuple[str, str, tuple[str, list[ToolCall]] | None]] = [
-    (  # Qwen 2.5 and Qwen 3, as their templates teach: Hermes blocks, two calls
-        "qwen-two-calls",
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
-        (
-            "",
-            [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", '{"zone": "CET"}')],
-        ),
+
+def test_every_tool_is_in_the_index() -> None:
+    index = (TOOLS / "README.md").read_text()
+    tools = [*SCRIPTS, *TOOLS.rglob("*.sh"), TOOLS / "common.py", TOOLS / "chapters.toml"]
+    missing = [p.relative_to(ROOT).as_posix() for p in tools]
+    missing = [p for p in missing if f"`{p}" not in index]
+    assert not missing, f"not in tools/README.md: {missing}"
+
+
+MODEL = ("--model", str(TINY["llama"]), "--device", "cpu")
+SMOKE = {
+    "bench_offline.py": (
+        [*MODEL, "--num-seqs", "4", "--max-input", "24", "--min-output", "4", "--max-output", "8"]
+        + ["--skip-hf"],
+        "| minisgl |",
     ),
-    (  # text before the call, and a call cut at EOS before its closing tag
-        "hermes-text-then-unclosed",
-        'Let me look.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}',
-        ("Let me look.\n", [ToolCall("get_time", '{"zone": "UTC"}')]),
+    "bench_latency.py": (
+        [*MODEL, "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "8"]
+        + ["--step-tokens", "8", "--skip-hf", "--skip-eager"],
+        "| 2 |",
     ),
-    (  # Llama 3.1-3.3's JSON form (<|python_tag|> is dropped when detokenized), two calls
-        "llama3-json",
-        '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
-        '{"name": "get_time", "parameters": {"zone": "CET"}}',
-        (
-            "",
-            [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", '{"zone": "CET"}')],
-        ),
+    "bench_prefill.py": (
+        [*MODEL, "--modes", "off,breakable", "--lengths", "8", "--repeat", "1", "--warmup", "0"]
+        + ["--peak-tokens", "64"],
+        "| 8 |",
     ),
-    (  # SmolLM2-135M, greedy, asked '<tool_call>' with a tool: it opens a block, writes prose
-        "smollm2-prose-in-a-block",
-        "<tool_call>\n\nThe function is a simple function that takes a function as an argument",
-        None,
+    "bench_attention.py": (
+        ["--device", "cpu", "--backends", "torch", "--batch-sizes", "2", "--context-lens", "16"]
+        + ["--prefill-batches", "1", "--prefill-len", "8", "--iters", "2", "--head-dim", "16"],
+        "| 2 | 16 |",
     ),
-    (  # SmolLM2-135M, greedy, asked for the weather with a tool: it answers in text
-        "smollm2-text",
-        "The weather in Paris is described as a mix of warm and cool.",
-        None,
+    "bench_moe.py": (
+        ["--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"]
+        + ["--tokens", "7", "--iters", "2", "--warmup", "1"],
+        "| fused |",
     ),
-    ("json-but-no-call", '{"city": "Paris"}', None),
-    ("arguments-not-an-object", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', None),
-]
+}
 
 
-@pytest.mark.parametrize("text,expected", [r[1:] for r in RECORDED], ids=[r[0] for r in RECORDED])
-def test_parsers_on_recorded_outputs(text, expected):
-    assert find_calls(text) == expected
-
-
-def test_a_stream_holds_back_what_may_be_a_call():
-    out = ToolOutput(forced=False)
-    sent = []
-    pieces = ["Sure", ", <tool", '_call>\n{"name": "get_time", ', '"arguments": {"zone": "UTC"}}']
-    for piece in pieces + ["\n</tool_call>"]:
-        last = piece == "\n</tool_call>"
-        body = {"index": 0, "delta": {"content": piece}, "finish_reason": "stop" if last else None}
-        out.delta(0, body)
-        sent.append(body)
-    assert "".join(b["delta"]["content"] or "" for b in sent) == "Sure, "
-    assert sent[1]["delta"]["content"] == ", "  # "<tool" waits: it may be the tag's start
-    end = sent[-1]
-    assert end["finish_reason"] == "tool_calls"
-    (call,) = end["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
-    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
-
-
-# ---- a live server ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("choice", ["required", "named"])
-def test_forced_calls_follow_the_schema(client, choice):
-    # Sampled at temperature 1, so that the grammar, not luck, keeps the arguments valid.
-    out = client.chat.completions.create(
-        model=MODEL,
-        messages=ASK,
-        tools=[TIME, WEATHER] if choice == "named" else [WEATHER],
-        tool_choice=NAMED if choice == "named" else "required",
-        n=3,
-        seed=7,
-        max_tokens=48,
-    )
-    for c in out.choices:
-        assert c.finish_reason == "tool_calls", c
-        assert c.message.content is None
-        (call,) = c.message.tool_calls
-        assert call.type == "function" and call.id.startswith("call_")
-        assert call.function.name == "get_weather"
-        assert follows_weather_schema(call.function.arguments), call.function.arguments
-
-
-def test_openai_client_round_trip_whole_and_streamed(client):
-    ask = {"model": MODEL, "messages": ASK, "tools": [WEATHER, TIME], "temperature": 0}
-    whole = client.chat.completions.create(**ask, tool_choice=NAMED, max_tokens=60)
-    (call,) = whole.choices[0].message.tool_calls
-    calls: dict[int, dict[str, Any]] = {}
-    finish = None
-    for chunk in client.chat.completions.create(
-        **ask, tool_choice=NAMED, max_tokens=60, stream=True
-    ):
-        for c in chunk.choices:
-            for d in c.delta.tool_calls or []:  # the way clients assemble streamed calls
-                slot = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-                slot["id"] = d.id or slot["id"]
-                slot["name"] += d.function.name or ""
-                slot["arguments"] += d.function.arguments or ""
-            assert not c.delta.content, "a forced call sends no text"
-            finish = c.finish_reason or finish
-    assert finish == "tool_calls"
-    assert list(calls) == [0] and calls[0]["id"].startswith("call_")
-    assert (calls[0]["name"], calls[0]["arguments"]) == (
-        call.function.name,
-        call.function.arguments,
-    )
-    assert follows_weather_schema(call.function.arguments)
-
-
-def test_a_conversation_with_a_tool_result(client, server):
-    first = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0
-    )
-    call = first.choices[0].message.tool_calls[0]
-    messages = [
-        *ASK,
-        first.choices[0].message.model_dump(exclude_none=True),  # as the client sends it back
-        {"role": "tool", "tool_call_id": call.id, "content": "18 degrees and sunny"},
-    ]
-    out = client.chat.completions.create(
-        model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=24
-    )
-    assert out.choices[0].message.tool_calls is None
-    assert out.choices[0].message.content
-
-    # The prompt holds the call and the result, as the worker renders them.
-    tok = Tokenizer(SMOL)
-    plain = [
-        ASK[0],
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [
-                {
-                    "id": call.id,
-                    "type": "function",
-                    "function": {
-                        "name": call.function.name,
-                        "arguments": json.loads(call.function.arguments),
-                    },
-                }
-            ],
-        },  # fmt: skip
-        {"role": "tool", "content": "18 degrees and sunny", "tool_call_id": call.id},
-    ]
-    prompt = tok.apply_chat_template(plain, tools=[WEATHER])
-    assert '<tool_call>\n{"name": "get_weather"' in prompt
-    assert "<tool_response>\n18 degrees and sunny\n</tool_response>" in prompt
-    assert out.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
-
-
-def test_auto_gives_text_when_there_is_no_call(client):
-    # The recorded answer above: a block opens, the stream holds it back, no call comes.
-    tool = {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather in a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    }
-    ask = [{"role": "user", "content": "<tool_call>"}]
-    kw = {"model": MODEL, "messages": ask, "tools": [tool], "temperature": 0, "max_tokens": 16}
-    whole = client.chat.completions.create(**kw)
-    text = whole.choices[0].message.content
-    assert text.startswith("<tool_call>") and whole.choices[0].message.tool_calls is None
-    assert whole.choices[0].finish_reason == "length"
-    streamed = "".join(
-        c.delta.content or ""
-        for chunk in client.chat.completions.create(**kw, stream=True)
-        for c in chunk.choices
-    )
-    assert streamed == text
-
-
-BAD_TOOLS = [
-    ("named-not-in-tools", {"tools": [TIME], "tool_choice": NAMED}, "tool_choice"),
-    ("choice-without-tools", {"tool_choice": "required"}, "tool_choice"),
-    (
-        "with-response-format",
-        {"tools": [TIME], "response_format": {"type": "json_object"}},
-        "tools",
-    ),
-    ("no-name", {"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
-    ("functions", {"functions": [TIME["function"]]}, "functions"),
-    (
-        "arguments-not-json",
-        {
-            "messages": [
-                *ASK,
-                {
-                    "role": "assistant",
-                    "tool_calls": [
-                        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}
-                    ],
-                },  # fmt: skip
-            ]
-        },
-        "messages.1.tool_calls.0.function.arguments",
-    ),
-]
-
-
-@pytest.mark.parametrize("extra,param", [b[1:] for b in BAD_TOOLS], ids=[b[0] for b in BAD_TOOLS])
-def test_bad_tool_requests_are_400s(server, extra, param):
-    body = {"model": MODEL, "messages": ASK, "max_tokens": 1, **extra}
-    err = check_error(httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60), 400)
-    assert err["param"] == param, err
+@pytest.mark.parametrize("script", sorted(SMOKE))
+def test_benchmark_smoke_run_on_the_cpu(script: str) -> None:
+    need(TINY["llama"])
+    args, expected = SMOKE[script]
+    done = run_tool(script, *args, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert expected in done.stdout, done.stdout
