@@ -2,6 +2,8 @@
 
 When there is work, the loop never blocks on input: it takes whatever arrived and steps.
 When there is none, it waits for a message (waking now and then to notice a dead parent).
+Every step reports, even a prefill chunk that yields no token: the server takes a long
+silence while it waits for answers as a stuck scheduler.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
             messages = [first, *inbox.recv_all()] if first is not None else []
         messages = share_messages(messages)  # every rank applies the same ones  # [ch21]
         refused = scheduler.receive(messages)
-        tokens = scheduler.step() if scheduler.has_work else []
-        if tokens or refused or messages:
+        stepped = scheduler.has_work
+        tokens = scheduler.step() if stepped else []
+        if stepped or refused or messages:
             outbox.send(SchedulerOutput(refused + tokens, scheduler_stats(scheduler)))
 
 

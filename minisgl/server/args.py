@@ -38,6 +38,7 @@ class ServerArgs:
     log_level: str
     max_queued_requests: int
     shutdown_timeout: float
+    worker_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
 
 
@@ -99,12 +100,18 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         default=10.0,
         help="on SIGTERM, seconds running requests may take to finish (default 10)",
     )
+    p.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=120.0,
+        help="seconds of silence from the workers, with requests open, that mean one is stuck",
+    )
     a = p.parse_args(argv)
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model: {a.model} is not a model folder (no config.json); try `make models`")
     check_tp_options(p, a)  # [ch21]
-    if a.max_queued_requests < 0 or a.shutdown_timeout < 0:
-        p.error("--max-queued-requests and --shutdown-timeout take a number >= 0")
+    if min(a.max_queued_requests, a.shutdown_timeout, a.worker_timeout) < 0:
+        p.error("--max-queued-requests, --shutdown-timeout and --worker-timeout take a number >= 0")
     try:
         config = SchedulerConfig(model_path=a.model, dtype=_DTYPES[a.dtype], **p.config(a))
     except ValueError as e:
@@ -119,5 +126,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         a.log_level.upper(),
         a.max_queued_requests,
         a.shutdown_timeout,
+        a.worker_timeout,
         a.node_rank,  # [ch21]
     )

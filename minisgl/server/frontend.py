@@ -56,10 +56,12 @@ class Frontend:
         self.max_requests = max_requests  # running and queued together; beyond it, a 503
         self.refusal: APIError | None = None  # once set, every new request gets it
         self.failed = False  # every request was ended (`fail`): the workers may be gone
+        self.heard = time.monotonic()  # the workers' last word, or the first request since
 
     async def receive_forever(self) -> None:
         while True:
             msg = await self.inbox.recv()
+            self.heard = time.monotonic()
             if isinstance(msg, SchedulerStats):
                 self.metrics.stats = msg
             elif (queue := self.queues.get(msg.uid)) is not None:
@@ -83,6 +85,8 @@ class Frontend:
                 raise APIError(400, f"the request cannot be passed on: {e}") from None
         queue: asyncio.Queue = asyncio.Queue()
         uids = [m.uid for m in msgs]
+        if not self.queues:  # the workers had nothing to say until now
+            self.heard = time.monotonic()
         for msg in msgs:
             self.queues[msg.uid] = queue
             await self.to_tokenizer.send(msg)

@@ -39,7 +39,8 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         ready=lambda: server.ready(),
     )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
-    server = Supervisor(config, frontend, tree.dead, args.shutdown_timeout)
+    timeouts = args.shutdown_timeout, args.worker_timeout
+    server = Supervisor(config, frontend, tree.dead, *timeouts)
     receiver = asyncio.create_task(frontend.receive_forever())
     watcher = asyncio.create_task(server.watch())
     try:

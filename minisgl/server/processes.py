@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import tempfile
@@ -95,6 +96,7 @@ class ProcessTree:
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
+                os.kill(proc.pid, signal.SIGCONT)  # a stopped one acts on SIGTERM once it runs
         deadline = time.monotonic() + 5
         for proc in self.procs:
             proc.join(max(0.0, deadline - time.monotonic()))

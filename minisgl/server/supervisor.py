@@ -3,7 +3,9 @@
 A dead worker (killed, crashed, or exited, whichever one) is fatal: the engine's state went
 with it, so no request in flight can finish and none should wait for it. Every client gets
 a 503 at once (a stream gets an error event and ends), /health turns 503, and the server
-exits 1, so that whoever runs it (systemd, Docker, Kubernetes) starts a fresh one.
+exits 1, so that whoever runs it (systemd, Docker, Kubernetes) starts a fresh one. A stuck
+worker is treated alike: the scheduler reports after every step, so requests that hear
+nothing for `worker_timeout` seconds mean a worker that will not answer again.
 
 SIGTERM or SIGINT asks the server to stop: it admits nothing more (503, and /ready says
 so), lets the running requests finish for up to `shutdown_timeout` seconds, ends the rest
@@ -42,12 +44,14 @@ class Supervisor(uvicorn.Server):
         frontend: Frontend,
         dead: Callable[[], BaseProcess | None],
         shutdown_timeout: float,
+        worker_timeout: float,
     ) -> None:
         config.timeout_graceful_shutdown = CONNECTIONS_TIMEOUT_S
         super().__init__(config)
         self.frontend = frontend
         self.dead = dead  # the first worker found dead, or None
         self.shutdown_timeout = shutdown_timeout
+        self.worker_timeout = worker_timeout
         self.draining = False
         self.exit_code = 0
 
@@ -58,24 +62,23 @@ class Supervisor(uvicorn.Server):
         return self.live() and not self.draining
 
     async def watch(self) -> None:
-        """Look at the workers until the server stops; a dead one ends every request."""
+        """Look at the workers until the server stops; a dead or stuck one ends everything."""
         while not self.should_exit:
+            silent = time.monotonic() - self.frontend.heard
             if (proc := self.dead()) is not None:
-                logger.error(
-                    "the %s worker exited with code %s: failing every request; exiting",
-                    proc.name,
-                    proc.exitcode,
-                )
-                message = (
-                    f"the server lost its {proc.name} worker (exit code {proc.exitcode}) and"
-                    " is shutting down; retry when it is back"
-                )
-                self.exit_code = 1
-                self.frontend.fail(APIError(503, message, retry_after=5))
-                await asyncio.sleep(UNHEALTHY_GRACE_S)  # so that monitors see why we go
-                self.should_exit = True
-                return
-            await asyncio.sleep(POLL_S)
+                fault = f"lost its {proc.name} worker (exit code {proc.exitcode})"
+            elif self.frontend.queues and silent > self.worker_timeout:
+                fault = f"heard nothing from its workers for {silent:.0f} s (--worker-timeout)"
+            else:
+                await asyncio.sleep(POLL_S)
+                continue
+            logger.error("the server %s: failing every request; exiting", fault)
+            self.exit_code = 1
+            message = f"the server {fault} and is shutting down; retry when it is back"
+            self.frontend.fail(APIError(503, message, retry_after=5))
+            await asyncio.sleep(UNHEALTHY_GRACE_S)  # so that monitors see why we go
+            self.should_exit = True
+            return
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
