@@ -1,19 +1,24 @@
-"""Tensor-parallel ranks that die, in the offline LLM: it raises within seconds, never waits.
+"""Tensor-parallel ranks that die: the offline LLM raises within seconds, the server answers
+503 and exits 1; neither waits.
 
-Each scenario is a script of its own in a fresh interpreter, as a user would run it: a
-rank is a spawned process that imports the script, and a failed rank 0 leaves its process
-group behind, which must not leak into other tests.
+The offline scenarios are scripts of their own in a fresh interpreter, as a user would run
+them: a rank is a spawned process that imports the script, and a failed rank 0 leaves its
+process group behind, which must not leak into other tests.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import openai
+import pytest
 from helpers import ROOT, TINY, need
+from test_ch21_tensor_parallel import alive, end, gone, launch, titles, tree_of, wait_ready
 
 NO_GUARD = """
 import torch
@@ -70,3 +75,30 @@ def test_a_rank_killed_mid_generate_makes_generate_raise(tmp_path):
     seconds = float(out.stdout.split("raised ")[1].split(" s")[0])
     assert seconds < 10, out.stdout
     print(out.stdout.strip())
+
+
+def test_a_rank_killed_mid_request_in_the_server_is_a_503_and_exit_1(tmp_path):
+    model = need(TINY["llama"])
+    log = tmp_path / "server.log"
+    server = launch(log, model, "--tp-size", "2")
+    try:
+        base = wait_ready(server, log)
+        pids = tree_of(server.pid)
+        rank = [p for p, t in zip(pids, titles(pids)) if t == "minisgl::scheduler-1"]
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        body = dict(
+            model=model.name, prompt="Hello", max_tokens=120, extra_body={"ignore_eos": True}
+        )
+        chunks = client.completions.create(**body, stream=True)
+        next(iter(chunks))  # it runs
+        os.kill(rank[0], signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(openai.APIError, match="lost its minisgl-scheduler"):
+            for _ in chunks:
+                pass
+        answered = time.monotonic() - killed
+        assert answered < 2, f"the stream ended {answered:.1f} s after the kill"
+        assert server.wait(10) == 1, log.read_text()[-3000:]
+        assert gone(pids, 2), f"left: {[p for p in pids if alive(p)]}"
+    finally:
+        end(server)
