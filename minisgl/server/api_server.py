@@ -25,6 +25,7 @@ from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
 from minisgl.server.responses import ResponseShape
+from minisgl.server.responses_api import add_responses_route  # [ch25]
 from minisgl.server.streaming import stream
 from minisgl.server.tools import tool_output  # [ch25]
 
@@ -132,6 +133,8 @@ def create_app(
             return [body.sampling_params(max_tokens, i) for i in range(body.n)]
         except ValueError as e:  # the request models check these ranges first; a last line
             raise APIError(400, str(e)) from None
+
+    add_responses_route(app, frontend, model_name, sampling)  # [ch25]
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Response:

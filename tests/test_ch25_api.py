@@ -1,6 +1,9 @@
-"""Tool calling in chat: the parsers on model outputs, calls forced by the grammar whose
-arguments follow the schema, the official openai client's round trip (whole and streamed),
-and a conversation that sends a tool's result back.
+"""Chapter 25's rest of the API, through the official openai client on a live server.
+
+Tool calling in chat: the parsers on model outputs, calls forced by the grammar whose
+arguments follow the schema, the client's round trip (whole and streamed), and a
+conversation that sends a tool's result back. Then `POST /v1/responses`: the same answer
+as the chat endpoint's, whole and as typed events.
 
 SmolLM2's chat template knows no tools, so the tokenizer worker writes them in the Hermes
 form (`tokenizer/tools.py`); the 135M model does not call a tool on its own, so the calls
@@ -307,3 +310,53 @@ def test_bad_tool_requests_are_400s(server, extra, param):
     body = {"model": MODEL, "messages": ASK, "max_tokens": 1, **extra}
     err = check_error(httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60), 400)
     assert err["param"] == param, err
+
+
+# ---- /v1/responses ------------------------------------------------------------------------
+
+QUESTION = "What is the capital of France?"
+
+
+def test_responses_match_chat(client):
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], temperature=0, max_tokens=12
+    )
+    out = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=12)
+    assert out.object == "response" and out.id.startswith("resp_")
+    assert out.output_text == chat.choices[0].message.content
+    assert out.status == "completed" and chat.choices[0].finish_reason == "stop"
+    assert out.usage.input_tokens == chat.usage.prompt_tokens
+    assert out.usage.output_tokens == chat.usage.completion_tokens
+    (item,) = out.output
+    assert item.type == "message" and item.role == "assistant"
+    assert item.content[0].type == "output_text"
+
+
+def test_responses_stream_with_instructions(client):
+    ask = [{"role": "user", "content": QUESTION}]
+    system = "Answer in one sentence."
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": system}, *ask],
+        temperature=0,
+        max_tokens=12,
+    )
+    kw = {"model": MODEL, "input": ask, "instructions": system, "temperature": 0}
+    with client.responses.stream(**kw, max_output_tokens=12) as events:
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        final = events.get_final_response()
+    assert "".join(deltas) == final.output_text == chat.choices[0].message.content
+    assert final.usage.input_tokens == chat.usage.prompt_tokens
+
+    # Cut by max_output_tokens: the last event says the response is incomplete, and why.
+    kinds = [e for e in client.responses.create(**kw, max_output_tokens=2, stream=True)]
+    assert [e.sequence_number for e in kinds] == list(range(len(kinds)))
+    assert kinds[0].type == "response.created" and kinds[-1].type == "response.incomplete"
+    assert kinds[-1].response.incomplete_details.reason == "max_output_tokens"
+    assert kinds[-1].response.usage.output_tokens == 2
+
+
+def test_responses_unknown_model_is_a_404(server):
+    body = {"model": "no-such-model", "input": QUESTION}
+    err = check_error(httpx.post(server.base + "/v1/responses", json=body, timeout=60), 404)
+    assert err["code"] == "model_not_found"
