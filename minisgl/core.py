@@ -192,7 +192,7 @@ class Batch:
     the padded batch, and only the first `size` rows of the output are real.
     """
 
-    def __init__(self, reqs: list[Req], phase: Literal["prefill", "decode"]) -> None:
+    def __init__(self, reqs: list[Req], phase: Literal["prefill", "decode", "verify"]) -> None:
         self.reqs = reqs
         self.phase = phase
         self.padded_reqs = reqs
@@ -221,6 +221,14 @@ class Batch:
     @property
     def is_decode(self) -> bool:
         return self.phase == "decode"
+
+    @property
+    def num_logit_rows(self) -> int:
+        """Rows of the forward's logits that belong to live requests: one per request, or in a
+        verify batch (chapter 26) one per new token."""
+        if self.phase == "verify":  # [ch26]
+            return sum(r.extend_len for r in self.reqs)  # [ch26]
+        return self.size
 
 
 class Context:

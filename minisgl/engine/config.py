@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.registry import backend_names
+from minisgl.speculative.config import check_speculative  # [ch26]
 
 
 @dataclass
@@ -37,6 +38,11 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks are spread over, tp_size // nnodes ranks on each
     dist_init_addr: str | None = None  # host:port where the ranks meet: rank 0's machine
     # <<< ch21
+    # >>> ch26 speculative decoding: "off" or "ngram" (drafts by prompt lookup)
+    speculative: str = "off"
+    num_draft_tokens: int = 4  # the most drafts a request proposes per step
+    speculative_max_bs: int = 32  # larger decode batches do not speculate
+    # <<< ch26
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -72,6 +78,7 @@ class EngineConfig:
         if self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(f"tp_size {self.tp_size} cannot be spread over {self.nnodes} nodes")
         # <<< ch21
+        check_speculative(self)  # [ch26]
         if self.attention_backend not in backend_names():
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "

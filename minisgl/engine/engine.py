@@ -43,6 +43,7 @@ from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
 from minisgl.engine.prefill_graph import plan_prefill_graphs  # [ch23]
 from minisgl.engine.ranks import agree_on_limits, join_ranks  # [ch21]
 from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
+from minisgl.engine.verify_graph import plan_verify_graphs  # [ch26]
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
@@ -137,6 +138,7 @@ class Engine:
         # >>> ch18 every shape to capture, then one loop that captures them
         plan = GraphPlan.of(self)
         plan.kinds += plan_prefill_graphs(self, plan)  # [ch23]
+        plan.kinds += plan_verify_graphs(self, plan)  # [ch26]
         self.graph_runner = GraphRunner(
             self.model, self.attn_backend, plan, mc.vocab_size, self.device
         )
@@ -188,11 +190,9 @@ class Engine:
     @torch.inference_mode()
     def forward_logits(self, batch: Batch) -> StepLogits:
         """The model's forward, and the sampling inputs as the batch stands now."""
-        set_global_ctx(self.ctx)  # several engines may live in one process (tests do this)
         reqs, vocab = batch.reqs, self.model_config.vocab_size
         plan = plan_prompt_logprobs(batch, self.device) if batch.is_prefill else None  # [ch25]
-        with self.ctx.forward_batch(batch):
-            logits = self._logits(batch)
+        logits = self.logits(batch)
         step = StepLogits(
             logits,
             reqs,
@@ -203,6 +203,13 @@ class Engine:
         step.logits, step.prompt_logprobs = split_prompt_logits(logits, plan)  # [ch25]
         step.bias = gather_logit_bias(reqs, self.device)  # [ch25]
         return step
+
+    @torch.inference_mode()
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """The forward alone: the logits of the batch's live rows."""
+        set_global_ctx(self.ctx)  # several engines may live in one process (tests do this)
+        with self.ctx.forward_batch(batch):
+            return self._logits(batch)
 
     @torch.inference_mode()
     def sample_logits(self, step: StepLogits) -> ForwardOutput:
@@ -237,7 +244,7 @@ class Engine:
         if batch.logit_rows is not None:
             return self.model.forward()
         # <<< ch25
-        return self.model.forward()[: batch.size]
+        return self.model.forward()[: batch.num_logit_rows]
 
     def _default_dtype(self) -> torch.dtype:
         # On a GPU, the checkpoint's own dtype. On a CPU, fp32: CPUs without bf16 matrix

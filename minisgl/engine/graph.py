@@ -125,6 +125,10 @@ class GraphKind:
         """The batch sizes whose attention metadata the backend keeps in static buffers."""
         return [s.slots for s in self.shapes]
 
+    def logit_rows(self, shape: GraphShape) -> int:
+        """Rows of logits a graph of `shape` returns: one per request slot."""
+        return shape.slots
+
     def shape_for(self, batch: Batch) -> GraphShape | None:
         """The smallest shape that holds the batch; None: the batch runs eagerly."""
         return next((s for s in self.shapes if s.slots >= batch.size), None)
@@ -224,15 +228,16 @@ class GraphRunner:
         slots = sorted({n for kind in plan.kinds for n in kind.attention_slots})
         if slots:
             self.attn_backend.init_capture_graph(plan.max_seq_len, slots)
+        rows = max(kind.logit_rows(s) for kind, s in todo)
         self.buffer = GraphCaptureBuffer.init(
-            max(s.tokens for _, s in todo), max(s.slots for _, s in todo), vocab_size, self.device
+            max(s.tokens for _, s in todo), rows, vocab_size, self.device
         )
         pool, ctx = None, get_global_ctx()
         with _gc_frozen(self.stream is not None):
             for kind, shape in todo:
                 batch = kind.capture_batch(shape, self.attn_backend)
                 self.buffer.set_batch(batch, shape.tokens)
-                logits = self.buffer.logits[: shape.slots]
+                logits = self.buffer.logits[: kind.logit_rows(shape)]
 
                 def forward(logits: torch.Tensor = logits) -> None:
                     logits.copy_(model.forward())
@@ -278,7 +283,7 @@ class GraphRunner:
         self.buffer.copy_from(batch)
         kind.prepare_replay(batch, self.attn_backend)
         kind.graphs[shape].replay()
-        return self.buffer.logits[: batch.size]
+        return self.buffer.logits[: batch.num_logit_rows]
 
     def destroy_cuda_graphs(self) -> None:
         # Graphs go before anything they captured (NCCL communicators above all) is freed.

@@ -84,7 +84,7 @@ class PrefillGraphs(GraphKind):
 
     def capture_batch(self, shape: GraphShape, backend: BaseAttnBackend) -> Batch:
         reqs = [self.filler(shape.tokens)] + [self.sentinel] * (shape.slots - 1)
-        batch = Batch(reqs, "prefill")
+        batch = Batch(reqs, self.phase)  # type: ignore[arg-type]
         if self.mode == "full":
             backend.prepare_for_capture(batch)
         else:  # attention runs eagerly, on ordinary metadata

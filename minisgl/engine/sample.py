@@ -61,14 +61,21 @@ def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     greedy_tokens = logits.argmax(dim=-1)
     if args.greedy:
         return greedy_tokens.to(torch.int32)
+    assert args.seeds is not None and args.positions is not None and args.is_greedy is not None
+    logits = warp(logits, args)
+    noise = gumbel_noise(args.seeds, args.positions, logits.size(-1))
+    sampled = (logits + noise).argmax(dim=-1)
+    return torch.where(args.is_greedy, greedy_tokens, sampled).to(torch.int32)
+
+
+def warp(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
+    """The logits whose softmax a non-greedy row draws from: temperature, top-k, top-p."""
     logits = logits / args.temperatures
     if args.top_k is not None:
         logits = _mask_top_k(logits, args.top_k)
     if args.top_p is not None:
         logits = _mask_top_p(logits, args.top_p)
-    noise = gumbel_noise(args.seeds, args.positions, logits.size(-1))
-    sampled = (logits + noise).argmax(dim=-1)
-    return torch.where(args.is_greedy, greedy_tokens, sampled).to(torch.int32)
+    return logits
 
 
 def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

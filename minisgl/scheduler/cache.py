@@ -95,6 +95,15 @@ class CacheManager:
             self._free_slots(row[req.shared_len : req.alloc_len])
             req.cache_handle, req.shared_len, req.alloc_len = None, 0, 0
 
+    # >>> ch26
+    def trim(self, req: Req, upto: int) -> None:
+        """Give back the request's own pages past position `upto` (rejected drafts' pages)."""
+        keep = max(cdiv(upto, self.page_size) * self.page_size, req.shared_len)
+        if keep < req.alloc_len:
+            self._free_slots(self.host_table[req.table_idx, keep : req.alloc_len])
+            req.alloc_len = keep
+
+    # <<< ch26
     def _write(self, row: int, start: int, slots: torch.Tensor) -> None:
         if len(slots):
             self.host_table[row, start : start + len(slots)] = slots

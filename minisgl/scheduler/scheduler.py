@@ -32,6 +32,7 @@ from minisgl.scheduler.grammar import Grammars  # [ch25]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
+from minisgl.speculative.step import Speculator  # [ch26]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.grammars = Grammars(config.model_path, limits.vocab_size, eos_token_ids)  # [ch25]
         self.logprobs = LogprobCollector()  # [ch25]
+        self.spec = Speculator(self, config)  # [ch26]
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -108,8 +110,10 @@ class Scheduler:
 
     def step(self) -> list[TokenMsg]:
         batch = self._schedule()
-        launched = self._launch(batch) if batch is not None else None
         messages, self._drained = self._drained, []
+        if batch is not None and (verified := self.spec.try_step(batch)) is not None:  # [ch26]
+            return messages + verified  # [ch26]
+        launched = self._launch(batch) if batch is not None else None
         # >>> ch12 overlap: launch N+1, then process N while the device computes
         if self.overlap:
             if self._in_flight is not None:

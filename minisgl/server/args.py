@@ -16,6 +16,7 @@ import torch
 from minisgl.attention.registry import backend_names
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
+from minisgl.speculative.config import add_speculative_options  # [ch26]
 
 _DTYPES = {
     "auto": None,
@@ -82,6 +83,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("cuda_graph_max_bs", type=int, help="0 disables CUDA graphs")  # [ch18]
     p.config_option("debug_cuda_graph", action="store_true")  # [ch18]
     p.config_option("prefill_graph", choices=_PREFILL_GRAPHS, help=_PREFILL_HELP)  # [ch23]
+    add_speculative_options(p)  # [ch26]
     p.config_option("max_prefill_length", type=int)
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")

@@ -1,0 +1,34 @@
+"""N-gram drafts (prompt lookup): the text that followed the last few tokens last time.
+
+A request that edits, repeats or continues text it was given says again what is already in
+its prompt or its output. So the drafter takes the request's last n tokens, finds where
+they occurred before in the same request (the most recent place), and proposes the tokens
+that followed there. It tries the longest n first: a longer match is a better predictor.
+No model and no device memory; the search is numpy over the request's own tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+WINDOW = 4096  # only the most recent tokens are searched: the cost stays flat with length
+
+
+class NgramDrafter:
+    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+        self.max_n, self.min_n = max_n, min_n
+
+    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+        of `tokens` (a request's prompt and output so far); [] when nothing matches."""
+        tokens = tokens[-WINDOW:]
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # Windows that end before the last token, so a continuation exists.
+            windows = sliding_window_view(tokens[: length - 1], n)
+            hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start : start + k].tolist()
+        return []

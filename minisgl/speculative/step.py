@@ -1,0 +1,136 @@
+"""The scheduler's speculative decode step: drafts, one verify forward, acceptance.
+
+A decode step of a small model is bound by kernel launches, not by arithmetic, so a
+forward over a few tokens per request costs little more than over one. Each request
+proposes up to k tokens (here by n-gram lookup in its own text), the verify batch runs
+the model over its last token and the drafts, and `accept_drafts` keeps the longest run
+the model agrees with plus the model's own next token: one to k + 1 tokens per request
+per step, exactly those decoding without drafts would give.
+
+Around the forward, the bookkeeping of a decode step: the drafts go into the token pool
+and get KV pages; after acceptance the request's lengths cover only what was accepted,
+the pages of rejected drafts go back, and the radix cache only ever sees accepted tokens
+(it caches up to `cached_len`). A request drafts less after drafts it rejected and more
+after runs it took whole. The step is taken only where it is exact and pays: no grammar
+or log-probabilities in the batch (they take the plain step), at most
+`speculative_max_bs` requests, and at least one draft.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import Batch, Req
+from minisgl.message.backend import TokenMsg
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.speculative.ngram import NgramDrafter
+from minisgl.speculative.verify import accept_drafts
+from minisgl.utils import to_device, to_host
+
+if TYPE_CHECKING:
+    from minisgl.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class Speculator:
+    def __init__(self, scheduler: Scheduler, config: SchedulerConfig) -> None:
+        self.scheduler = scheduler
+        self.enabled = config.speculative != "off"
+        self.max_drafts, self.max_bs = config.num_draft_tokens, config.speculative_max_bs
+        self.drafter = NgramDrafter()
+        self.draft_len: dict[int, int] = {}  # by uid: how many drafts it proposes now
+        self.num_drafted = self.num_accepted = self.num_steps = 0
+        if self.enabled and scheduler.overlap:
+            # The next step's drafts come from this step's accepted tokens, on the host.
+            logger.info("overlap scheduling off: speculative decoding drafts from each result")
+            scheduler.overlap = False
+
+    def try_step(self, batch: Batch) -> list[TokenMsg] | None:
+        """Run `batch` (a decode batch) as a verify step and return its tokens; None when
+        it should be a plain decode step instead, and nothing was done."""
+        s = self.scheduler
+        if not self.enabled or not batch.is_decode or batch.size > self.max_bs:
+            return None
+        reqs = batch.reqs
+        if s.grammars.constrains(reqs) or any(r.sampling_params.logprobs for r in reqs):
+            return None
+        drafts = self._fit([self._draft(r) for r in reqs], reqs)
+        if not any(drafts):
+            return None
+        return self._verify(reqs, drafts)
+
+    def _draft(self, req: Req) -> list[int]:
+        if req.sampling_params.has_penalties:  # they change with every token: see verify.py
+            return []
+        k = min(self.draft_len.get(req.uid, self.max_drafts), req.remain_len - 1)
+        return self.drafter.propose(req.input_ids.numpy(), k) if k > 0 else []
+
+    def _fit(self, drafts: list[list[int]], reqs: list[Req]) -> list[list[int]]:
+        """Drop the drafts of the last requests whose pages would not fit."""
+        cache = self.scheduler.cache
+        room = cache.available_pages - sum(cache.pages_needed(r, r.device_len) for r in reqs)
+        for i, (req, draft) in enumerate(zip(reqs, drafts)):
+            extra = cache.pages_needed(req, req.device_len + len(draft))
+            extra -= cache.pages_needed(req, req.device_len)
+            if extra > room:
+                drafts[i] = []
+            else:
+                room -= extra
+        return drafts
+
+    @torch.inference_mode()
+    def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[TokenMsg]:
+        s = self.scheduler
+        engine, pool = s.engine, s.engine.token_pool
+        width, device = pool.size(1), pool.device
+        places = [
+            r.table_idx * width + r.device_len + j
+            for r, d in zip(reqs, drafts)
+            for j in range(len(d))
+        ]
+        if places:  # every draft into the token pool, after its request's last token
+            where = to_device(places, device, torch.int64)
+            pool.put_(where, to_device([t for d in drafts for t in d], device, torch.int32))
+        for req, draft in zip(reqs, drafts):
+            req.device_len += len(draft)
+        batch = Batch(reqs, "verify")
+        s.cache.allocate(reqs)
+        engine.prepare_batch(batch)
+        accepted, final = accept_drafts(engine.logits(batch), reqs, drafts, pool)
+        # The token after the accepted drafts takes the place of the first rejected one.
+        after = to_device([r.table_idx * width + r.cached_len + 1 for r in reqs], device)
+        pool.put_(after.long() + accepted, final)
+        both = to_host(torch.stack([accepted, final.long()]))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the host needs them now
+        accepted_h, final_h = both.tolist()
+        messages = []
+        for req, draft, n, token in zip(reqs, drafts, accepted_h, final_h):
+            self._count(req.uid, n, len(draft))
+            req.cached_len += 1 + n  # its last token and the accepted drafts
+            req.device_len = req.cached_len + 1
+            s.cache.trim(req, req.device_len)
+            for t in draft[:n] + [token]:
+                req.append_host(t)
+                reason = s._finish_reason(req, t)
+                messages.append(TokenMsg(req.uid, t, reason is not None, reason, req.cached_tokens))
+                if reason is not None:
+                    s._finish(req)
+                    self.draft_len.pop(req.uid, None)
+                    break
+        if len(self.draft_len) > 2 * len(s.reqs) + 64:  # requests aborted since
+            self.draft_len = {uid: k for uid, k in self.draft_len.items() if uid in s.reqs}
+        return messages
+
+    def _count(self, uid: int, accepted: int, drafted: int) -> None:
+        self.num_steps += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        if drafted:  # all taken: try one more next time; else as many as were taken, and one
+            k = self.draft_len.get(uid, self.max_drafts)
+            grown = min(self.max_drafts, k + 1)
+            self.draft_len[uid] = grown if accepted == drafted else max(1, accepted + 1)

@@ -1,0 +1,218 @@
+"""Speculative decoding: n-gram drafts, lossless acceptance, verify graphs (emulated on CPU).
+
+Greedy output with drafts must equal greedy output without them, token for token, under
+everything the scheduler does (chunks, the radix cache, pages of 1 and 16 tokens,
+preemption, stop tokens inside an accepted run, mixed requests, verify graphs). Sampling
+must draw from the model's distribution exactly: checked on the acceptance rule itself,
+with many seeds, and shown to catch a broken resample step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import SMOL, TINY, need
+
+from minisgl.core import Req, SamplingParams
+from minisgl.engine.verify_graph import verify_token_tiers
+from minisgl.llm import LLM
+from minisgl.speculative import verify
+from minisgl.speculative.ngram import NgramDrafter
+from minisgl.speculative.verify import accept_drafts
+
+pytestmark = pytest.mark.usefixtures("serial")  # from conftest.py
+
+KW = dict(dtype=torch.float32, device="cpu", max_running_req=4, max_seq_len_override=160)
+
+
+def generate(path, prompts, params, **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(need(path)), **{**KW, **kw})
+    out = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+    llm.scheduler.check_integrity()  # every KV page back where it belongs
+    return out, llm
+
+
+def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
+    drafter = NgramDrafter(max_n=3)
+    tokens = np.array([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3])
+    assert drafter.propose(tokens, 2) == [7, 8]  # "1 2 3" last seen before "7 8"
+    assert drafter.propose(np.array([1, 2, 3, 4]), 3) == []  # nothing repeats
+    assert drafter.propose(np.array([4, 6, 4]), 5) == [6, 4]  # up to the end
+
+
+def test_verify_tiers_front_pack_the_seed_example() -> None:
+    tiers = verify_token_tiers(256)
+    assert len(tiers) <= 12 and tiers[-1] == 256
+    assert next(t for t in tiers if t >= 6 + 2 + 4) == 16  # [6, 2, 4] -> 12 -> tier 16
+
+
+def fake_reqs(n: int, temperature: float, seed0: int = 0) -> list[Req]:
+    params = SamplingParams(temperature=temperature, seed=None if temperature == 0 else 1)
+    reqs = []
+    for i in range(n):
+        req = Req(torch.zeros(4, dtype=torch.int32), i, 3, 8, i, params)
+        req.seed = seed0 + i  # each request its own stream
+        reqs.append(req)
+    return reqs
+
+
+def test_greedy_acceptance_takes_the_agreeing_run_and_the_models_next_token() -> None:
+    vocab = 8
+    # Request 0: rows predict 3, 5, 6; drafts 3, 4 -> accepts 1, then the model's 5.
+    # Request 1: rows predict 2, 2; draft 2 -> accepts it, then the bonus 2.
+    # Request 2: no drafts: one row, its argmax 7.
+    argmax = [3, 5, 6, 2, 2, 7]
+    logits = torch.nn.functional.one_hot(torch.tensor(argmax), vocab).float()
+    reqs = fake_reqs(3, 0.0)
+    accepted, final = accept_drafts(logits, reqs, [[3, 4], [2], []], torch.zeros(4, 16))
+    assert accepted.tolist() == [1, 1, 0] and final.tolist() == [5, 2, 7]
+
+
+def sample_first_tokens(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """n requests, each drafting token 2 against p0 and then p1: the first token each
+    emits, and the second where the draft was accepted (else -1)."""
+    p0 = torch.tensor([0.1, 0.2, 0.4, 0.05, 0.25])
+    p1 = torch.tensor([0.5, 0.1, 0.1, 0.2, 0.1])
+    logits = torch.stack([p0, p1]).log().repeat(n, 1)
+    reqs = fake_reqs(n, 1.0)
+    accepted, final = accept_drafts(logits, reqs, [[2]] * n, torch.zeros(4, 16))
+    first = torch.where(accepted == 1, 2, final).numpy()
+    second = torch.where(accepted == 1, final, -1).numpy()
+    return first, second
+
+
+def distance(samples: np.ndarray, probs: list[float]) -> float:
+    counts = np.bincount(samples, minlength=len(probs)) / len(samples)
+    return float(np.abs(counts - np.array(probs)).sum() / 2)
+
+
+def test_rejection_sampling_draws_exactly_from_the_model() -> None:
+    first, second = sample_first_tokens(20000)
+    assert distance(first, [0.1, 0.2, 0.4, 0.05, 0.25]) < 0.02
+    assert distance(second[second >= 0], [0.5, 0.1, 0.1, 0.2, 0.1]) < 0.03
+
+
+def test_a_resample_that_keeps_the_rejected_draft_is_caught(monkeypatch) -> None:
+    monkeypatch.setattr(verify, "without_rejected", lambda logits, *_: logits)
+    first, _ = sample_first_tokens(20000)
+    assert distance(first, [0.1, 0.2, 0.4, 0.05, 0.25]) > 0.1  # token 2 drawn far too often
+
+
+REPEATS = [
+    "Copy this line twice: the cat sat on the mat. the cat sat on the mat.",
+    "def area(w, h):\n    return w * h\n\ndef area(w, h):\n",
+    "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "Hi",
+]
+
+
+def test_smollm2_greedy_equals_plain_decoding_with_verify_graphs() -> None:
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    want, llm = generate(SMOL, REPEATS, params, num_page_override=512)
+    llm.shutdown()
+    got, llm = generate(SMOL, REPEATS, params, num_page_override=512, speculative="ngram")
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert got == want and spec.num_accepted > 5  # the drafts did their work
+    graphs, llm = generate(
+        SMOL, REPEATS, params, num_page_override=512, speculative="ngram", cuda_graph_max_bs=4
+    )
+    verify_graphs = llm.engine.graph_runner.graphs("verify")
+    llm.shutdown()
+    assert graphs == want and verify_graphs
+
+
+def tiny_prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    stem = torch.randint(0, 1000, (20,), generator=gen).tolist()
+    return [stem + stem[: 3 + i] for i in range(3)] + [stem[:9] * 2]
+
+
+@pytest.mark.parametrize(
+    ("name", "page_size", "pages", "chunk"),
+    [("llama", 1, 2048, 8192), ("qwen3", 16, 6, 12)],
+)
+def test_tiny_models_greedy_equal_under_chunks_cache_preemption(name, page_size, pages, chunk):
+    prompts = tiny_prompts(1)
+    params = [SamplingParams(max_tokens=20 + 3 * i, ignore_eos=True) for i in range(4)]
+    kw = dict(page_size=page_size, num_page_override=pages, max_prefill_length=chunk)
+    want, llm = generate(TINY[name], prompts, params, **kw)
+    llm.shutdown()
+    # A stop token the plain run emits mid-output: it must end the run inside an accepted run.
+    stop = want[1][12]
+    params[1] = SamplingParams(max_tokens=23, ignore_eos=True, stop_token_ids=[stop])
+    want[1] = want[1][: want[1].index(stop) + 1]
+    got, llm = generate(TINY[name], prompts, params, speculative="ngram", **kw)
+    spec, pre = llm.scheduler.spec, llm.scheduler.num_preemptions
+    llm.shutdown()
+    assert got == want
+    assert spec.num_accepted > 0
+    if pages < 2048:
+        assert pre > 0  # too few pages for the four together: some are preempted
+
+
+def oracle_drafter(prompts: list[list[int]], want: list[list[int]]):
+    """Drafts from a plain run's own output, every third step with a wrong token in them."""
+
+    def draft(self, req: Req) -> list[int]:
+        ids = req.input_ids.tolist()
+        i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
+        done = len(ids) - len(prompts[i])
+        tokens = want[i][done : done + min(3, req.remain_len - 1)]
+        if done % 3 == 0 and len(tokens) > 1:
+            tokens[1] = (tokens[1] + 1) % 1000  # the model will not agree with this one
+        return tokens
+
+    return draft
+
+
+def test_oracle_drafts_with_wrong_tokens_on_the_moe_model(monkeypatch) -> None:
+    """The tiny MoE's text never repeats, so n-grams draft nothing there."""
+    prompts = tiny_prompts(4)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    want, llm = generate(TINY["qwen3-moe"], prompts, params, max_prefill_length=16)
+    llm.shutdown()
+    monkeypatch.setattr("minisgl.speculative.step.Speculator._draft", oracle_drafter(prompts, want))
+    got, llm = generate(
+        TINY["qwen3-moe"], prompts, params, max_prefill_length=16, speculative="ngram"
+    )
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert got == want
+    assert 0 < spec.num_accepted < spec.num_drafted  # some taken, the wrong ones not
+
+
+def test_mixed_requests_and_seeded_sampling_are_reproducible() -> None:
+    prompts = tiny_prompts(2)
+    plain = SamplingParams(max_tokens=16, ignore_eos=True)
+    penalised = SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=0.5)
+    sampled = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.8, top_k=50, seed=7)
+    params = [plain, penalised, sampled, plain]
+    want, llm = generate(TINY["llama"], prompts, [plain, penalised, plain, plain])
+    llm.shutdown()
+    runs = []
+    for _ in range(2):
+        got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
+        llm.shutdown()
+        runs.append(got)
+    assert runs[0] == runs[1]  # a seed gives the same tokens again
+    assert [runs[0][i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
+
+
+def test_a_wrong_acceptance_rule_fails(monkeypatch) -> None:
+    prompts = tiny_prompts(3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+
+    def one_too_many(logits, reqs, drafts, pool):
+        accepted, final = accept_drafts(logits, reqs, drafts, pool)
+        most = torch.tensor([len(d) for d in drafts])
+        return torch.minimum(accepted + 1, most), final
+
+    monkeypatch.setattr("minisgl.speculative.step.accept_drafts", one_too_many)
+    monkeypatch.setattr("minisgl.speculative.step.Speculator._draft", oracle_drafter(prompts, want))
+    got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
+    llm.shutdown()
+    assert got != want
