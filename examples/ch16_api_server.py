@@ -176,7 +176,7 @@ workers = locals().get("workers", [])
 deadline = time.monotonic() + 10  # the workers and multiprocessing's helper exit on their own
 while (left := [p for p in workers if alive(p)]) and time.monotonic() < deadline:
     time.sleep(0.2)
-# 143 = 128 + SIGTERM: uvicorn shuts down gracefully, then hands the signal back to launch.py.
+# 0 after a drain (supervisor.py); 143 = 128 + SIGTERM if the signal came while starting.
 print(f"\nSIGTERM -> server exit code {code}; child processes still alive: {left}")
 if code not in (0, 143) or left:
     failures.append(f"expected a clean exit and no children left, got {code} and {left}")
