@@ -104,6 +104,12 @@ async def complete(api: openai.AsyncOpenAI, max_tokens: int, stream: bool) -> tu
         return f"stream error: {e.message}", time.monotonic()
 
 
+def peak_rss(server: Server) -> int:
+    """The API server process's peak resident memory so far, in kB."""
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM")))
+
+
 def running(server: Server, n: int, timeout: float = 60) -> None:
     """Wait until the scheduler runs `n` requests."""
     deadline = time.monotonic() + timeout
@@ -219,6 +225,7 @@ def test_a_flood_gets_503s_beyond_the_queue_and_every_accepted_request_is_right(
     limits = httpx.Limits(max_connections=clients)
     http = httpx.AsyncClient(base_url=server.base, timeout=300, limits=limits)
     before = metrics(server)
+    rss_before = peak_rss(server)
     started = time.monotonic()
     reference, answers = asyncio.run(flood())
     took = time.monotonic() - started
@@ -235,9 +242,10 @@ def test_a_flood_gets_503s_beyond_the_queue_and_every_accepted_request_is_right(
         'minisgl:error_responses_total{status="503"}', 0
     )
     assert grew == len(refused)
-    status = Path(f"/proc/{server.proc.pid}/status").read_text()
-    peak = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
-    print(f"flood: {len(ok)} served, {len(refused)} 503s in {took:.1f} s; peak RSS {peak} kB")
+    print(
+        f"flood: {len(ok)} served, {len(refused)} 503s in {took:.1f} s;"
+        f" the server's peak RSS {rss_before} kB before, {peak_rss(server)} kB after"
+    )
 
 
 def test_a_bug_in_one_request_fails_it_with_a_500_and_the_worker_goes_on(tmp_path, monkeypatch):
