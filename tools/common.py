@@ -47,6 +47,9 @@ def add_engine_args(
         p.add_argument(
             "--tp-size", type=int, default=tp_size, help="ranks (GPUs) the model is cut over"
         )
+    if attn is not None:  # a tool that builds the whole engine
+        p.add_argument("--speculative", default="off", help="off, or ngram: draft and verify")
+        p.add_argument("--num-draft-tokens", type=int, default=4, help="with --speculative")
 
 
 def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +71,8 @@ def engine_kwargs(args: argparse.Namespace, **override: Any) -> dict[str, Any]:
         kw["attention_backend"] = args.attn
     if "tp_size" in args:
         kw["tp_size"] = args.tp_size
+    if getattr(args, "speculative", "off") != "off":
+        kw["speculative"], kw["num_draft_tokens"] = args.speculative, args.num_draft_tokens
     return {**kw, **override}
 
 

@@ -43,7 +43,9 @@ class Speculator:
         self.max_drafts, self.max_bs = config.num_draft_tokens, config.speculative_max_bs
         self.drafter = NgramDrafter()
         self.draft_len: dict[int, int] = {}  # by uid: how many drafts it proposes now
-        self.num_drafted = self.num_accepted = self.num_steps = 0
+        # Drafts proposed and accepted, requests verified, and verify forwards run.
+        self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
+        self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
         if self.enabled and scheduler.overlap:
             # The next step's drafts come from this step's accepted tokens, on the host.
             logger.info("overlap scheduling off: speculative decoding drafts from each result")
@@ -98,6 +100,7 @@ class Speculator:
         for req, draft in zip(reqs, drafts):
             req.device_len += len(draft)
         batch = Batch(reqs, "verify")
+        self.num_forwards += 1
         s.cache.allocate(reqs)
         engine.prepare_batch(batch)
         accepted, final = accept_drafts(engine.logits(batch), reqs, drafts, pool)
@@ -134,3 +137,4 @@ class Speculator:
             k = self.draft_len.get(uid, self.max_drafts)
             grown = min(self.max_drafts, k + 1)
             self.draft_len[uid] = grown if accepted == drafted else max(1, accepted + 1)
+            self.accepted_lengths[accepted] += 1
