@@ -10,9 +10,11 @@ with many seeds, and shown to catch a broken resample step.
 from __future__ import annotations
 
 import numpy as np
+import openai
 import pytest
 import torch
 from helpers import SMOL, TINY, need
+from test_server import MODEL, descendants, launch, stop, wait_idle, wait_ready
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
@@ -216,3 +218,26 @@ def test_a_wrong_acceptance_rule_fails(monkeypatch) -> None:
     got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
     llm.shutdown()
     assert got != want
+
+
+def test_metrics_count_drafts_and_accept_lengths_on_a_live_server(tmp_path) -> None:
+    srv = launch(tmp_path, "--speculative", "ngram", "--num-draft-tokens", "4")
+    pids: list[int] = []
+    try:
+        wait_ready(srv)
+        pids = descendants(srv.proc.pid)
+        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
+        line = "the cat sat on the mat. "
+        client.completions.create(
+            model=MODEL, prompt="Copy: " + line * 3, max_tokens=24, temperature=0
+        )
+        m = wait_idle(srv)
+    finally:
+        stop(srv, pids)
+    drafted = m["minisgl:spec_draft_tokens_total"]
+    accepted = m["minisgl:spec_accepted_tokens_total"]
+    verifies = m["minisgl:spec_accept_length_tokens_count"]
+    assert drafted >= accepted > 0, (drafted, accepted)
+    assert m['minisgl:spec_accept_length_tokens_bucket{le="+Inf"}'] == verifies > 0
+    assert m['minisgl:spec_accept_length_tokens_bucket{le="5.0"}'] == verifies  # k + 1 at most
+    assert m["minisgl:spec_accept_length_tokens_sum"] == accepted + verifies  # drafts and one

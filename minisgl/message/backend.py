@@ -53,6 +53,9 @@ class SchedulerStats:
     kv_pages_in_use: int  # held by running requests (cached, evictable pages count as free)
     cached_tokens_total: int  # prompt tokens served from the prefix cache so far
     preemptions_total: int
+    spec_drafted_total: int = 0  # draft tokens proposed so far  # [ch26]
+    spec_accepted_total: int = 0  # [ch26]
+    spec_accepted_lengths: list[int] | None = None  # [n]: verifies that took n drafts  # [ch26]
 
 
 @dataclass

@@ -32,6 +32,9 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
         kv_pages_in_use=cache.num_pages - cache.allocator.num_free - evictable,
         cached_tokens_total=s.prefill.cached_tokens_total,
         preemptions_total=s.num_preemptions,
+        spec_drafted_total=s.spec.num_drafted,  # [ch26]
+        spec_accepted_total=s.spec.num_accepted,  # [ch26]
+        spec_accepted_lengths=s.spec.accepted_lengths if s.spec.enabled else None,  # [ch26]
     )
 
 

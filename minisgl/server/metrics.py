@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from minisgl.message.backend import SchedulerStats
+from minisgl.speculative.metrics import speculative_metrics  # [ch26]
 
 # Latencies from a GPU's milliseconds to a loaded CPU's tens of seconds, about three
 # buckets per factor of ten, so that a p99 read from the buckets is within ~2x anywhere.
@@ -124,3 +125,4 @@ class _SchedulerCollector(Collector):
         yield GaugeMetricFamily(
             "minisgl:kv_pages_used", "KV pages held by running requests.", value=s.kv_pages_in_use
         )
+        yield from speculative_metrics(s)  # [ch26]
