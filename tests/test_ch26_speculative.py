@@ -9,12 +9,19 @@ with many seeds, and shown to catch a broken resample step.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
 import numpy as np
 import openai
 import pytest
 import torch
 from helpers import SMOL, TINY, need
-from test_server import MODEL, descendants, launch, stop, wait_idle, wait_ready
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
@@ -220,20 +227,61 @@ def test_a_wrong_acceptance_rule_fails(monkeypatch) -> None:
     assert got != want
 
 
+LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy for localhost
+
+
+def serve_speculative(log: Path) -> tuple[subprocess.Popen, str]:
+    """`python -m minisgl` on SmolLM2 with n-gram drafts, healthy; (process, base URL)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(need(SMOL)), "--device", "cpu"]
+    cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "256"]
+    cmd += ["--speculative", "ngram", "--num-draft-tokens", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with LOCAL.open(base + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return proc, base
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
+
+
+def scrape(base: str) -> dict[str, float]:
+    with LOCAL.open(base + "/metrics", timeout=10) as answer:
+        lines = answer.read().decode().splitlines()
+    pairs = (line.rsplit(" ", 1) for line in lines if line and not line.startswith("#"))
+    return {name: float(value) for name, value in pairs}
+
+
 def test_metrics_count_drafts_and_accept_lengths_on_a_live_server(tmp_path) -> None:
-    srv = launch(tmp_path, "--speculative", "ngram", "--num-draft-tokens", "4")
-    pids: list[int] = []
+    proc, base = serve_speculative(tmp_path / "server.log")
     try:
-        wait_ready(srv)
-        pids = descendants(srv.proc.pid)
-        client = openai.OpenAI(base_url=srv.base + "/v1", api_key="none", max_retries=0)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         line = "the cat sat on the mat. "
-        client.completions.create(
-            model=MODEL, prompt="Copy: " + line * 3, max_tokens=24, temperature=0
+        out = client.completions.create(
+            model=SMOL.name, prompt="Copy: " + line * 3, max_tokens=24, temperature=0
         )
-        m = wait_idle(srv)
+        assert out.choices[0].text
+        m = scrape(base)
+        for _ in range(40):  # the scheduler's last report may trail the answer a little
+            if m["minisgl:num_requests_running"] == 0:
+                break
+            time.sleep(0.25)
+            m = scrape(base)
     finally:
-        stop(srv, pids)
+        proc.terminate()  # the launcher stops its workers on SIGTERM
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     drafted = m["minisgl:spec_draft_tokens_total"]
     accepted = m["minisgl:spec_accepted_tokens_total"]
     verifies = m["minisgl:spec_accept_length_tokens_count"]
