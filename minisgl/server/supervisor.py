@@ -52,14 +52,14 @@ class Supervisor(uvicorn.Server):
         self.dead = dead  # the first worker found dead, or None
         self.shutdown_timeout = shutdown_timeout
         self.worker_timeout = worker_timeout
-        self.draining = False
+        self.draining: asyncio.Task | None = None  # the drain, once a signal came
         self.exit_code = 0
 
     def live(self) -> bool:
         return self.dead() is None and self.exit_code == 0
 
     def ready(self) -> bool:
-        return self.live() and not self.draining
+        return self.live() and self.draining is None
 
     async def watch(self) -> None:
         """Look at the workers until the server stops; a dead or stuck one ends everything."""
@@ -95,11 +95,10 @@ class Supervisor(uvicorn.Server):
                 signal.signal(sig, old)
 
     def on_signal(self, sig: signal.Signals) -> None:
-        if self.draining:
+        if self.draining is not None:
             logger.warning("%s again: ending every request now", sig.name)
             self.stop()
             return
-        self.draining = True
         message = "the server is shutting down and admits no more requests; retry elsewhere"
         self.frontend.refusal = APIError(503, message, retry_after=5)
         logger.info(
@@ -108,7 +107,7 @@ class Supervisor(uvicorn.Server):
             self.shutdown_timeout,
             len(self.frontend.queues),
         )
-        asyncio.ensure_future(self.drain())
+        self.draining = asyncio.ensure_future(self.drain())  # held: a task is weakly referenced
 
     async def drain(self) -> None:
         deadline = time.monotonic() + self.shutdown_timeout
