@@ -186,7 +186,9 @@ def test_sigterm_drains_running_requests_then_exits_0(servers):
         long = asyncio.create_task(complete(api, 4000, stream=True))  # past --shutdown-timeout
         await asyncio.to_thread(running, server, 2)
         sent = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
+        # To the whole process group, as systemd sends it to every process of a service:
+        # the workers leave the stopping to the launcher.
+        os.killpg(server.proc.pid, signal.SIGTERM)
         await asyncio.sleep(0.3)
         # Not ready, still alive, and a new request is refused politely.
         async with httpx.AsyncClient(base_url=server.base, timeout=5) as http:

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import signal
 import tempfile
-import time
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -36,8 +34,10 @@ logger = logging.getLogger("minisgl")
 
 def _worker(name: str, target: Any, *args: Any) -> None:
     setproctitle(f"minisgl::{name}")
-    # Ctrl-C reaches the whole process group; only the launcher decides how to stop.
+    # Ctrl-C reaches the whole process group, and systemd sends SIGTERM to every process of
+    # the service: only the launcher decides how to stop, after draining (supervisor.py).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     target(*args)
 
 
@@ -93,15 +93,12 @@ class ProcessTree:
         return next((p for p in self.procs if not p.is_alive()), None)
 
     def stop(self) -> None:
+        # A worker keeps nothing that must outlive it, and ignores SIGTERM: SIGKILL, which
+        # also ends a stopped or stuck one, is the whole of stopping it.
         for proc in self.procs:
-            if proc.is_alive():
-                proc.terminate()
-                os.kill(proc.pid, signal.SIGCONT)  # a stopped one acts on SIGTERM once it runs
-        deadline = time.monotonic() + 5
-        for proc in self.procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
-                proc.join()
+        for proc in self.procs:
+            proc.join()
         self._ready.socket.close(linger=0)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
