@@ -289,3 +289,17 @@ def test_metrics_count_drafts_and_accept_lengths_on_a_live_server(tmp_path) -> N
     assert m['minisgl:spec_accept_length_tokens_bucket{le="+Inf"}'] == verifies > 0
     assert m['minisgl:spec_accept_length_tokens_bucket{le="5.0"}'] == verifies  # k + 1 at most
     assert m["minisgl:spec_accept_length_tokens_sum"] == accepted + verifies  # drafts and one
+
+
+def test_with_overlap_scheduling_plain_steps_overlap_and_verify_steps_drain(monkeypatch) -> None:
+    from minisgl.env import ENV
+
+    prompts = tiny_prompts(5)
+    params = [SamplingParams(max_tokens=12 + 5 * i, ignore_eos=True) for i in range(4)]
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
+    overlap, spec = llm.scheduler.overlap, llm.scheduler.spec
+    llm.shutdown()
+    assert overlap and got == want and spec.num_accepted > 0

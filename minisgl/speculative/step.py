@@ -46,24 +46,42 @@ class Speculator:
         # Drafts proposed and accepted, requests verified, and verify forwards run.
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
         self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
-        if self.enabled and scheduler.overlap:
-            # The next step's drafts come from this step's accepted tokens, on the host.
-            logger.info("overlap scheduling off: speculative decoding drafts from each result")
-            scheduler.overlap = False
 
     def try_step(self, batch: Batch) -> list[TokenMsg] | None:
         """Run `batch` (a decode batch) as a verify step and return its tokens; None when
-        it should be a plain decode step instead, and nothing was done."""
+        it should be a plain decode step instead, and nothing was done.
+
+        Drafts are made from a request's tokens on the host, so a verify step needs the
+        step before it processed. With overlap scheduling that step is still in flight:
+        plain steps keep overlapping, and only where the host's (one step old) tokens
+        already draft something is the pipeline drained for a verify step."""
         s = self.scheduler
+        if not self._takes(batch) or not any(self._draft(r) for r in batch.reqs):
+            return None
+        messages: list[TokenMsg] = []
+        if s._in_flight is not None:
+            s._drain()  # finished requests leave: schedule the batch again
+            messages, s._drained = s._drained, []
+            fresh = s.decode.schedule()
+            if fresh is None:
+                return messages
+            batch = fresh
+            if not self._takes(batch):  # e.g. a grammar's first token came in
+                return messages + s._process(s._launch(batch))
+        drafts = self._fit([self._draft(r) for r in batch.reqs], batch.reqs)
+        if not any(drafts):  # the fresh tokens draft nothing after all: one plain step
+            return messages + s._process(s._launch(batch))
+        return messages + self._verify(batch.reqs, drafts)
+
+    def _takes(self, batch: Batch) -> bool:
+        """A batch speculates only where that is exact and pays: decode, at most max_bs
+        requests, none with a grammar or log-probabilities (they take the plain step)."""
         if not self.enabled or not batch.is_decode or batch.size > self.max_bs:
-            return None
+            return False
         reqs = batch.reqs
-        if s.grammars.constrains(reqs) or any(r.sampling_params.logprobs for r in reqs):
-            return None
-        drafts = self._fit([self._draft(r) for r in reqs], reqs)
-        if not any(drafts):
-            return None
-        return self._verify(reqs, drafts)
+        if self.scheduler.grammars.constrains(reqs):
+            return False
+        return not any(r.sampling_params.logprobs for r in reqs)
 
     def _draft(self, req: Req) -> list[int]:
         if req.sampling_params.has_penalties:  # they change with every token: see verify.py
