@@ -1,10 +1,11 @@
 """Faults and overload, against live servers: a worker killed mid-request, SIGTERM under load,
 a flood against a small queue, and a bug in one request.
 
-The promises (docs/ch16_api_server.md, "Failure behaviour"): every client gets a status
+The promises (docs/failures.md): every client gets a status
 within a bound, never a hang; a dead worker is a 503 for everyone at once and an exit
 code 1; SIGTERM drains and exits 0; beyond the queue a 503 with Retry-After; no process
-and no socket folder outlive the server. Four servers start together, one per scenario.
+and no socket folder outlive the server. Four servers start together: one for each
+worker fault, and one that takes the flood and then SIGTERM.
 """
 
 from __future__ import annotations
@@ -54,8 +55,12 @@ def servers(tmp_path_factory) -> Iterator[dict[str, Server]]:
         "scheduler": launch(log_dir, *small),
         "tokenizer": launch(log_dir, *small),
         "stuck": launch(log_dir, *small, "--worker-timeout", str(STUCK_AFTER)),
-        "sigterm": launch(log_dir, *small, "--shutdown-timeout", str(DRAIN)),
-        "flood": launch(log_dir, "--max-running-requests", "8", "--max-queued-requests", "32"),
+        # The flood first, then SIGTERM: one server serves both.
+        "last": launch(
+            log_dir,
+            *("--max-running-requests", "8", "--max-queued-requests", "32"),
+            *("--shutdown-timeout", str(DRAIN)),
+        ),
     }
     trees: dict[str, list[int]] = {}
     try:
@@ -150,7 +155,7 @@ def test_a_dead_or_stuck_worker_fails_every_request_at_once_and_the_server_exits
         # What a restarted server must answer again: the same greedy text (another server
         # stands for the restart).
         before, _ = await complete(api, SHORT, stream=False)
-        again = client(servers["flood"])
+        again = client(servers["last"])
         assert (await complete(again, SHORT, stream=False))[0] == before
         await again.close()
         # Two running (--max-running-requests 2), two queued behind them; two of each streams.
@@ -175,43 +180,8 @@ def test_a_dead_or_stuck_worker_fails_every_request_at_once_and_the_server_exits
     print(f"{name}: last answer {max(e for _, e in results) - killed:.2f} s, exit {took:.2f} s")
 
 
-def test_sigterm_drains_running_requests_then_exits_0(servers):
-    server = servers["sigterm"]
-    tree = [server.proc.pid, *descendants(server.proc.pid)]
-    folder = ipc_dir(server.proc.pid)
-    api = client(server)
-
-    async def scenario() -> tuple[list[tuple[str, float]], float]:
-        short = asyncio.create_task(complete(api, SHORT, stream=False))
-        long = asyncio.create_task(complete(api, 4000, stream=True))  # past --shutdown-timeout
-        await asyncio.to_thread(running, server, 2)
-        sent = time.monotonic()
-        # To the whole process group, as systemd sends it to every process of a service:
-        # the workers leave the stopping to the launcher.
-        os.killpg(server.proc.pid, signal.SIGTERM)
-        await asyncio.sleep(0.3)
-        # Not ready, still alive, and a new request is refused politely.
-        async with httpx.AsyncClient(base_url=server.base, timeout=5) as http:
-            assert (await http.get("/ready")).status_code == 503
-            assert (await http.get("/health")).status_code == 200
-            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT})
-            assert r.status_code == 503 and "Retry-After" in r.headers, r.text
-            assert "shutting down" in r.json()["error"]["message"]
-        results = await asyncio.wait_for(asyncio.gather(short, long), 15)
-        await api.close()
-        return results, sent
-
-    ((short, _), (long, ended)), sent = asyncio.run(scenario())
-    assert not short.startswith(("503", "stream error")), short  # it finished in time
-    assert long.startswith("stream error: the server is shutting down"), long
-    assert DRAIN - 0.5 < ended - sent < DRAIN + 2, f"the long one ended {ended - sent:.1f} s after"
-    code, took = exits(server, tree, folder, sent)
-    assert code == 0, server.tail()
-    print(f"sigterm: drained in {ended - sent:.2f} s, exited after {took:.2f} s")
-
-
 def test_a_flood_gets_503s_beyond_the_queue_and_every_accepted_request_is_right(servers):
-    server = servers["flood"]
+    server = servers["last"]
     clients = 500
     api = client(server, timeout=300)
 
@@ -248,6 +218,41 @@ def test_a_flood_gets_503s_beyond_the_queue_and_every_accepted_request_is_right(
         f"flood: {len(ok)} served, {len(refused)} 503s in {took:.1f} s;"
         f" the server's peak RSS {rss_before} kB before, {peak_rss(server)} kB after"
     )
+
+
+def test_sigterm_drains_running_requests_then_exits_0(servers):
+    server = servers["last"]
+    tree = [server.proc.pid, *descendants(server.proc.pid)]
+    folder = ipc_dir(server.proc.pid)
+    api = client(server)
+
+    async def scenario() -> tuple[list[tuple[str, float]], float]:
+        short = asyncio.create_task(complete(api, SHORT, stream=False))
+        long = asyncio.create_task(complete(api, 4000, stream=True))  # past --shutdown-timeout
+        await asyncio.to_thread(running, server, 2)
+        sent = time.monotonic()
+        # To the whole process group, as systemd sends it to every process of a service:
+        # the workers leave the stopping to the launcher.
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        await asyncio.sleep(0.3)
+        # Not ready, still alive, and a new request is refused politely.
+        async with httpx.AsyncClient(base_url=server.base, timeout=5) as http:
+            assert (await http.get("/ready")).status_code == 503
+            assert (await http.get("/health")).status_code == 200
+            r = await http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT})
+            assert r.status_code == 503 and "Retry-After" in r.headers, r.text
+            assert "shutting down" in r.json()["error"]["message"]
+        results = await asyncio.wait_for(asyncio.gather(short, long), 15)
+        await api.close()
+        return results, sent
+
+    ((short, _), (long, ended)), sent = asyncio.run(scenario())
+    assert not short.startswith(("503", "stream error")), short  # it finished in time
+    assert long.startswith("stream error: the server is shutting down"), long
+    assert DRAIN - 0.5 < ended - sent < DRAIN + 2, f"the long one ended {ended - sent:.1f} s after"
+    code, took = exits(server, tree, folder, sent)
+    assert code == 0, server.tail()
+    print(f"sigterm: drained in {ended - sent:.2f} s, exited after {took:.2f} s")
 
 
 def test_a_bug_in_one_request_fails_it_with_a_500_and_the_worker_goes_on(tmp_path, monkeypatch):
