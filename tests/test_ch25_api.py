@@ -14,13 +14,18 @@ recorded outputs and on SmolLM2's own answer that opens a `<tool_call>` and writ
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 from helpers import SMOL, need
-from test_server import MODEL, Server, check_error, descendants, launch, stop, wait_ready
 
 from minisgl.server.tool_parsers import ToolCall, find_calls
 from minisgl.server.tools import ToolOutput
@@ -63,23 +68,58 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
+MODEL = SMOL.name
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
+def server(tmp_path_factory) -> Iterator[str]:
+    """A live `python -m minisgl` on CPU; its base URL. (test_server.py, chapter 16's, has
+    the full kit for servers; this chapter's tree holds only its own tests.)"""
     need(SMOL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path_factory.mktemp("ch25") / "server.log"
     # The tools' instructions take some 200 tokens of the prompt.
-    srv = launch(tmp_path_factory.mktemp("tools"), "--max-seq-len-override", "1024")
-    pids: list[int] = []
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu"]
+    cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "1024"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(srv)
-        pids = descendants(srv.proc.pid)
-        yield srv
+        deadline = time.monotonic() + 180
+        while not healthy(base):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the server did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield base
     finally:
-        stop(srv, pids)
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def healthy(base: str) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def check_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    """An error in OpenAI's shape, with the status expected; its `error` object."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
 
 
 @pytest.fixture(scope="module")
-def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="none", timeout=300, max_retries=0)
+def client(server: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server + "/v1", api_key="none", timeout=300, max_retries=0)
 
 
 def follows_weather_schema(arguments: str) -> bool:
@@ -308,7 +348,7 @@ BAD_TOOLS = [
 @pytest.mark.parametrize("extra,param", [b[1:] for b in BAD_TOOLS], ids=[b[0] for b in BAD_TOOLS])
 def test_bad_tool_requests_are_400s(server, extra, param):
     body = {"model": MODEL, "messages": ASK, "max_tokens": 1, **extra}
-    err = check_error(httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60), 400)
+    err = check_error(httpx.post(server + "/v1/chat/completions", json=body, timeout=60), 400)
     assert err["param"] == param, err
 
 
@@ -358,5 +398,23 @@ def test_responses_stream_with_instructions(client):
 
 def test_responses_unknown_model_is_a_404(server):
     body = {"model": "no-such-model", "input": QUESTION}
-    err = check_error(httpx.post(server.base + "/v1/responses", json=body, timeout=60), 404)
+    err = check_error(httpx.post(server + "/v1/responses", json=body, timeout=60), 404)
     assert err["code"] == "model_not_found"
+
+
+# ---- lists of prompts, scored ---------------------------------------------------------------
+
+
+def test_a_list_with_logprobs_and_echo_scores_each_prompt(server):
+    # lm-eval's loglikelihood with --batch_size > 1: echo, logprobs, max_tokens 0, a batch.
+    prompts = ["The capital of France is", "1, 2, 3, 4,"]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 0, "echo": True, "logprobs": 0}
+    batch = httpx.post(server + "/v1/completions", json=body, timeout=120).json()
+    for i, prompt in enumerate(prompts):
+        one = {**body, "prompt": prompt}
+        single = httpx.post(server + "/v1/completions", json=one, timeout=120).json()
+        got, want = batch["choices"][i], single["choices"][0]
+        assert got["index"] == i and got["text"] == want["text"] == prompt
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        lp, ref = got["logprobs"]["token_logprobs"][1:], want["logprobs"]["token_logprobs"][1:]
+        assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4

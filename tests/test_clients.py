@@ -94,20 +94,6 @@ def test_a_list_of_prompts_streams(client):
     assert usage is not None and usage.model_dump() == whole.usage.model_dump()
 
 
-def test_a_list_with_logprobs_and_echo_scores_each_prompt(server):
-    # lm-eval's loglikelihood with --batch_size > 1: echo, logprobs, max_tokens 0, a batch.
-    body = {"model": MODEL, "prompt": PROMPTS[:2], "max_tokens": 0, "echo": True, "logprobs": 0}
-    batch = httpx.post(server.base + "/v1/completions", json=body, timeout=120).json()
-    for i, prompt in enumerate(PROMPTS[:2]):
-        one = {**body, "prompt": prompt}
-        single = httpx.post(server.base + "/v1/completions", json=one, timeout=120).json()
-        got, want = batch["choices"][i], single["choices"][0]
-        assert got["index"] == i and got["text"] == want["text"] == prompt
-        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
-        lp, ref = got["logprobs"]["token_logprobs"][1:], want["logprobs"]["token_logprobs"][1:]
-        assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4
-
-
 def test_too_many_prompts_is_a_400(server):
     url = server.base + "/v1/completions"
     body = {"model": MODEL, "prompt": ["Hi"] * (MAX_PROMPTS + 1), "max_tokens": 1}
