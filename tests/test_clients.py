@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from helpers import SMOL, need
-from test_server import MODEL, Server, check_error, descendants, launch, metrics, stop, wait_ready
+from test_server import MODEL, Server, check_error, metrics, running
 
 from minisgl.server.protocol import MAX_PROMPTS
 
@@ -28,15 +27,8 @@ MAX = 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    need(SMOL)
-    srv = launch(tmp_path_factory.mktemp("clients"))
-    pids: list[int] = []
-    try:
-        wait_ready(srv)
-        pids = descendants(srv.proc.pid)
+    with running(tmp_path_factory.mktemp("clients")) as srv:
         yield srv
-    finally:
-        stop(srv, pids)
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,20 @@ def stop(server: Server, pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
+@contextmanager
+def running(log_dir: Path, *extra: str) -> Iterator[Server]:
+    """A server on SmolLM2, ready, and stopped with every process it started at the end."""
+    need(SMOL)
+    srv = launch(log_dir, *extra)
+    pids: list[int] = []
+    try:
+        wait_ready(srv)
+        pids = descendants(srv.proc.pid)
+        yield srv
+    finally:
+        stop(srv, pids)
+
+
 def descendants(pid: int) -> list[int]:
     try:
         import psutil
@@ -192,15 +207,8 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    need(SMOL)
-    srv = launch(tmp_path_factory.mktemp("server"))
-    pids: list[int] = []
-    try:
-        wait_ready(srv)
-        pids = descendants(srv.proc.pid)
+    with running(tmp_path_factory.mktemp("server")) as srv:
         yield srv
-    finally:
-        stop(srv, pids)
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SMOL, need
-from test_server import Server, descendants, launch, metrics, stop, wait_idle, wait_ready
+from helpers import ROOT, SMOL
+from test_server import Server, metrics, running, wait_idle
 
 TOOLS = ROOT / "tools"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    need(SMOL)
-    srv = launch(tmp_path_factory.mktemp("serving-tools"))
-    pids: list[int] = []
-    try:
-        wait_ready(srv)
-        pids = descendants(srv.proc.pid)
+    with running(tmp_path_factory.mktemp("serving-tools")) as srv:
         yield srv
-    finally:
-        stop(srv, pids)
 
 
 def run_tool(script: str, *args: str, timeout: float) -> subprocess.CompletedProcess:
