@@ -56,7 +56,10 @@ class Speculator:
         plain steps keep overlapping, and only where the host's (one step old) tokens
         already draft something is the pipeline drained for a verify step."""
         s = self.scheduler
-        if not self._takes(batch) or not any(self._draft(r) for r in batch.reqs):
+        if not self._takes(batch):
+            return None
+        drafts = [self._draft(r) for r in batch.reqs]
+        if not any(drafts):
             return None
         messages: list[TokenMsg] = []
         if s._in_flight is not None:
@@ -68,7 +71,8 @@ class Speculator:
             batch = fresh
             if not self._takes(batch):  # e.g. a grammar's first token came in
                 return messages + s._process(s._launch(batch))
-        drafts = self._fit([self._draft(r) for r in batch.reqs], batch.reqs)
+            drafts = [self._draft(r) for r in batch.reqs]  # from the fresh tokens
+        drafts = self._fit(drafts, batch.reqs)
         if not any(drafts):  # the fresh tokens draft nothing after all: one plain step
             return messages + s._process(s._launch(batch))
         return messages + self._verify(batch.reqs, drafts)
