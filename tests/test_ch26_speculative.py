@@ -45,9 +45,9 @@ def generate(path, prompts, params, **kw) -> tuple[list[list[int]], LLM]:
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
     drafter = NgramDrafter(max_n=3)
     tokens = np.array([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3])
-    assert drafter.propose(tokens, 2) == [7, 8]  # "1 2 3" last seen before "7 8"
-    assert drafter.propose(np.array([1, 2, 3, 4]), 3) == []  # nothing repeats
-    assert drafter.propose(np.array([4, 6, 4]), 5) == [6, 4]  # up to the end
+    assert drafter.lookup(tokens, 2) == [7, 8]  # "1 2 3" last seen before "7 8"
+    assert drafter.lookup(np.array([1, 2, 3, 4]), 3) == []  # nothing repeats
+    assert drafter.lookup(np.array([4, 6, 4]), 5) == [6, 4]  # up to the end
 
 
 def test_verify_tiers_front_pack_the_seed_example() -> None:
@@ -164,16 +164,16 @@ def test_tiny_models_greedy_equal_under_chunks_cache_preemption(name, page_size,
 def oracle_drafter(prompts: list[list[int]], want: list[list[int]]):
     """Drafts from a plain run's own output, every third step with a wrong token in them."""
 
-    def draft(self, req: Req) -> list[int]:
+    def draft(req: Req, k: int) -> list[int]:
         ids = req.input_ids.tolist()
         i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
         done = len(ids) - len(prompts[i])
-        tokens = want[i][done : done + min(3, req.remain_len - 1)]
+        tokens = want[i][done : done + min(3, k)]
         if done % 3 == 0 and len(tokens) > 1:
             tokens[1] = (tokens[1] + 1) % 1000  # the model will not agree with this one
         return tokens
 
-    return draft
+    return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
 
 
 def test_oracle_drafts_with_wrong_tokens_on_the_moe_model(monkeypatch) -> None:
@@ -182,7 +182,7 @@ def test_oracle_drafts_with_wrong_tokens_on_the_moe_model(monkeypatch) -> None:
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     want, llm = generate(TINY["qwen3-moe"], prompts, params, max_prefill_length=16)
     llm.shutdown()
-    monkeypatch.setattr("minisgl.speculative.step.Speculator._draft", oracle_drafter(prompts, want))
+    monkeypatch.setattr(NgramDrafter, "propose", oracle_drafter(prompts, want))
     got, llm = generate(
         TINY["qwen3-moe"], prompts, params, max_prefill_length=16, speculative="ngram"
     )
@@ -221,7 +221,7 @@ def test_a_wrong_acceptance_rule_fails(monkeypatch) -> None:
         return torch.minimum(accepted + 1, most), final
 
     monkeypatch.setattr("minisgl.speculative.step.accept_drafts", one_too_many)
-    monkeypatch.setattr("minisgl.speculative.step.Speculator._draft", oracle_drafter(prompts, want))
+    monkeypatch.setattr(NgramDrafter, "propose", oracle_drafter(prompts, want))
     got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
     llm.shutdown()
     assert got != want

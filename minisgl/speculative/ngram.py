@@ -5,12 +5,18 @@ its prompt or its output. So the drafter takes the request's last n tokens, find
 they occurred before in the same request (the most recent place), and proposes the tokens
 that followed there. It tries the longest n first: a longer match is a better predictor.
 No model and no device memory; the search is numpy over the request's own tokens.
+
+Every drafter answers `propose(reqs, ks)`: up to ks[i] tokens for request i, from the
+request's tokens so far (`req.input_ids`, the prompt and what it has generated), and
+`retain(uids)`: forget every request that is not in `uids` (finished, aborted, preempted).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from minisgl.core import Req
 
 WINDOW = 4096  # only the most recent tokens are searched: the cost stays flat with length
 
@@ -19,7 +25,13 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        return [self.lookup(r.input_ids.numpy(), k) if k > 0 else [] for r, k in zip(reqs, ks)]
+
+    def retain(self, uids: set[int]) -> None:
+        pass  # it keeps nothing between steps
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier occurrence of the longest suffix
         of `tokens` (a request's prompt and output so far); [] when nothing matches."""
         tokens = tokens[-WINDOW:]

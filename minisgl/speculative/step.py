@@ -58,7 +58,7 @@ class Speculator:
         s = self.scheduler
         if not self._takes(batch):
             return None
-        drafts = [self._draft(r) for r in batch.reqs]
+        drafts = self._draft(batch.reqs)
         if not any(drafts):
             return None
         messages: list[TokenMsg] = []
@@ -71,7 +71,7 @@ class Speculator:
             batch = fresh
             if not self._takes(batch):  # e.g. a grammar's first token came in
                 return messages + s._process(s._launch(batch))
-            drafts = [self._draft(r) for r in batch.reqs]  # from the fresh tokens
+            drafts = self._draft(batch.reqs)  # from the fresh tokens
         drafts = self._fit(drafts, batch.reqs)
         if not any(drafts):  # the fresh tokens draft nothing after all: one plain step
             return messages + s._process(s._launch(batch))
@@ -87,11 +87,16 @@ class Speculator:
             return False
         return not any(r.sampling_params.logprobs for r in reqs)
 
-    def _draft(self, req: Req) -> list[int]:
-        if req.sampling_params.has_penalties:  # they change with every token: see verify.py
-            return []
-        k = min(self.draft_len.get(req.uid, self.max_drafts), req.remain_len - 1)
-        return self.drafter.propose(req.input_ids.numpy(), k) if k > 0 else []
+    def _draft(self, reqs: list[Req]) -> list[list[int]]:
+        """Each request's drafts: as many as its recent acceptance earns, fewer near its
+        length limit, none with penalties (they change with every token: see verify.py)."""
+        ks = [
+            0
+            if r.sampling_params.has_penalties
+            else min(self.draft_len.get(r.uid, self.max_drafts), r.remain_len - 1)
+            for r in reqs
+        ]
+        return self.drafter.propose(reqs, ks)
 
     def _fit(self, drafts: list[list[int]], reqs: list[Req]) -> list[list[int]]:
         """Drop the drafts of the last requests whose pages would not fit."""
@@ -149,6 +154,7 @@ class Speculator:
                     break
         if len(self.draft_len) > 2 * len(s.reqs) + 64:  # requests aborted since
             self.draft_len = {uid: k for uid, k in self.draft_len.items() if uid in s.reqs}
+            self.drafter.retain(set(s.reqs))
         return messages
 
     def _count(self, uid: int, accepted: int, drafted: int) -> None:
