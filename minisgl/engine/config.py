@@ -38,8 +38,9 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks are spread over, tp_size // nnodes ranks on each
     dist_init_addr: str | None = None  # host:port where the ranks meet: rank 0's machine
     # <<< ch21
-    # >>> ch26 speculative decoding: "off" or "ngram" (drafts by prompt lookup)
+    # >>> ch26 speculative decoding: "off", "ngram" (drafts by prompt lookup) or "draft"
     speculative: str = "off"
+    draft_model: str | None = None  # with "draft": a smaller model folder, the same vocabulary
     num_draft_tokens: int = 4  # the most drafts a request proposes per step
     speculative_max_bs: int = 32  # larger decode batches do not speculate
     # <<< ch26
