@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-DRAFTERS = ("off", "ngram")
+from minisgl.models.config import ModelConfig
+
+DRAFTERS = ("off", "ngram", "draft")
 
 
 def check_speculative(config: Any) -> None:
@@ -17,9 +20,34 @@ def check_speculative(config: Any) -> None:
         raise ValueError(f"num_draft_tokens must be >= 1, got {config.num_draft_tokens}")
     if config.speculative_max_bs < 1:
         raise ValueError(f"speculative_max_bs must be >= 1, got {config.speculative_max_bs}")
+    if config.speculative == "draft":
+        check_draft_model(config)
+    elif config.draft_model is not None:
+        raise ValueError(
+            f"draft_model is used only with speculative 'draft', not {config.speculative!r}"
+        )
+
+
+def check_draft_model(config: Any) -> None:
+    """A draft is a token id that the model reads as the same text, so the draft model must
+    share the model's tokenizer; the size of the vocabulary is what can be checked."""
+    if not config.draft_model:
+        raise ValueError("speculative 'draft' needs draft_model: a smaller model's folder")
+    if not (Path(config.draft_model) / "config.json").is_file():
+        raise ValueError(f"draft_model {config.draft_model} is not a model folder (no config.json)")
+    if config.tp_size > 1:
+        raise ValueError("a draft model runs on one device: speculative 'draft' needs tp_size 1")
+    draft = ModelConfig.from_path(config.draft_model).vocab_size
+    target = ModelConfig.from_path(config.model_path).vocab_size
+    if draft != target:
+        raise ValueError(
+            f"draft_model {config.draft_model} has a vocabulary of {draft} tokens, the model "
+            f"{target}: a draft model must share the model's tokenizer"
+        )
 
 
 def add_speculative_options(p: Any) -> None:
     """The server's flags (p: the ConfigParser of server/args.py)."""
     p.config_option("speculative", choices=list(DRAFTERS), help="draft tokens, verify them")
     p.config_option("num_draft_tokens", type=int, help="the most drafts per request and step")
+    p.config_option("draft_model", help="with --speculative draft: a smaller model folder")

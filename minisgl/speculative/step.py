@@ -26,6 +26,7 @@ import torch
 from minisgl.core import Batch, Req
 from minisgl.message.backend import TokenMsg
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.speculative.draft_model import DraftModelDrafter
 from minisgl.speculative.ngram import NgramDrafter
 from minisgl.speculative.verify import accept_drafts
 from minisgl.utils import to_device, to_host
@@ -41,7 +42,9 @@ class Speculator:
         self.scheduler = scheduler
         self.enabled = config.speculative != "off"
         self.max_drafts, self.max_bs = config.num_draft_tokens, config.speculative_max_bs
-        self.drafter = NgramDrafter()
+        self.drafter: NgramDrafter | DraftModelDrafter = NgramDrafter()
+        if config.speculative == "draft":  # a smaller model's greedy tokens
+            self.drafter = DraftModelDrafter(config, scheduler.engine)
         self.draft_len: dict[int, int] = {}  # by uid: how many drafts it proposes now
         # Drafts proposed and accepted, requests verified, and verify forwards run.
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
