@@ -43,7 +43,7 @@ def generate(path, prompts, params, **kw) -> tuple[list[list[int]], LLM]:
 
 
 def test_ngram_proposes_what_followed_the_latest_longest_match() -> None:
-    drafter = NgramDrafter(max_n=3)
+    drafter = NgramDrafter(max_n=3, min_n=1)
     tokens = np.array([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 4, 1, 2, 3])
     assert drafter.lookup(tokens, 2) == [7, 8]  # "1 2 3" last seen before "7 8"
     assert drafter.lookup(np.array([1, 2, 3, 4]), 3) == []  # nothing repeats

@@ -49,7 +49,7 @@ def add_engine_args(
         )
     if attn is not None:  # a tool that builds the whole engine
         p.add_argument("--speculative", default="off", help="off, or ngram: draft and verify")
-        p.add_argument("--num-draft-tokens", type=int, default=4, help="with --speculative")
+        p.add_argument("--num-draft-tokens", type=int, default=8, help="with --speculative")
 
 
 def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:

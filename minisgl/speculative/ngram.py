@@ -3,7 +3,9 @@
 A request that edits, repeats or continues text it was given says again what is already in
 its prompt or its output. So the drafter takes the request's last n tokens, finds where
 they occurred before in the same request (the most recent place), and proposes the tokens
-that followed there. It tries the longest n first: a longer match is a better predictor.
+that followed there. It tries the longest n first: a longer match is a better predictor,
+and stops at n = 2: a match of one token proposes mostly wrong drafts (on SmolLM2's
+outputs it makes half of all steps verify, for a few more tokens than n >= 2 finds).
 No model and no device memory; the search is numpy over the request's own tokens.
 
 Every drafter answers `propose(reqs, ks)`: up to ks[i] tokens for request i, from the
@@ -22,7 +24,7 @@ WINDOW = 4096  # only the most recent tokens are searched: the cost stays flat w
 
 
 class NgramDrafter:
-    def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
+    def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:

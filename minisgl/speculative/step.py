@@ -10,8 +10,13 @@ per step, exactly those decoding without drafts would give.
 Around the forward, the bookkeeping of a decode step: the drafts go into the token pool
 and get KV pages; after acceptance the request's lengths cover only what was accepted,
 the pages of rejected drafts go back, and the radix cache only ever sees accepted tokens
-(it caches up to `cached_len`). A request drafts less after drafts it rejected and more
-after runs it took whole. The step is taken only where it is exact and pays: no grammar
+(it caches up to `cached_len`).
+
+How many drafts a request proposes follows from its own recent acceptance: with each draft
+taken with probability a (estimated per request, recent verifies weighing most), the j-th
+draft adds a token with probability a^j, so a request drafts up to the largest j whose a^j
+is still worth a verify slot (at least WORTH): all k while it copies well, one or two
+while its drafts are mostly wrong. The step is taken only where it is exact and pays: no grammar
 or log-probabilities in the batch (they take the plain step), at most
 `speculative_max_bs` requests, and at least one draft.
 """
@@ -19,6 +24,7 @@ or log-probabilities in the batch (they take the plain step), at most
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +42,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+WORTH = 0.1  # a draft is proposed while the chance it adds a token is at least this
+DECAY = 0.8  # the weight of the acceptance seen so far against the newest verify
+
 
 class Speculator:
     def __init__(self, scheduler: Scheduler, config: SchedulerConfig) -> None:
@@ -45,7 +54,8 @@ class Speculator:
         self.drafter: NgramDrafter | DraftModelDrafter = NgramDrafter()
         if config.speculative == "draft":  # a smaller model's greedy tokens
             self.drafter = DraftModelDrafter(config, scheduler.engine)
-        self.draft_len: dict[int, int] = {}  # by uid: how many drafts it proposes now
+        # By uid: drafts taken and drafts rejected, recent verifies weighing most.
+        self.taken: dict[int, tuple[float, float]] = {}
         # Drafts proposed and accepted, requests verified, and verify forwards run.
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
         self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
@@ -91,15 +101,21 @@ class Speculator:
         return not any(r.sampling_params.logprobs for r in reqs)
 
     def _draft(self, reqs: list[Req]) -> list[list[int]]:
-        """Each request's drafts: as many as its recent acceptance earns, fewer near its
-        length limit, none with penalties (they change with every token: see verify.py)."""
+        """Each request's drafts: as many as its acceptance earns, fewer near its length
+        limit, none with penalties (they change with every token: see verify.py)."""
         ks = [
-            0
-            if r.sampling_params.has_penalties
-            else min(self.draft_len.get(r.uid, self.max_drafts), r.remain_len - 1)
+            0 if r.sampling_params.has_penalties else min(self.draft_len(r.uid), r.remain_len - 1)
             for r in reqs
         ]
         return self.drafter.propose(reqs, ks)
+
+    def draft_len(self, uid: int) -> int:
+        """The most drafts j with a^j >= WORTH, a the request's acceptance rate so far."""
+        taken, rejected = self.taken.get(uid, (2.0, 0.5))  # a fresh request: a = 0.8
+        rate = taken / (taken + rejected)
+        if rate >= 1.0:
+            return self.max_drafts
+        return max(1, min(self.max_drafts, int(math.log(WORTH) / math.log(max(rate, 1e-3)))))
 
     def _fit(self, drafts: list[list[int]], reqs: list[Req]) -> list[list[int]]:
         """Drop the drafts of the last requests whose pages would not fit."""
@@ -124,9 +140,12 @@ class Speculator:
             for r, d in zip(reqs, drafts)
             for j in range(len(d))
         ]
-        if places:  # every draft into the token pool, after its request's last token
-            where = to_device(places, device, torch.int64)
-            pool.put_(where, to_device([t for d in drafts for t in d], device, torch.int32))
+        tokens = [t for d in drafts for t in d]
+        after = [r.table_idx * width + r.cached_len + 1 for r in reqs]  # of the first draft
+        n = len(places)  # one copy to the device for the three
+        host = to_device(places + tokens + after, device, torch.int64)
+        where, tokens_d, after_d = host.split([n, n, len(reqs)])
+        pool.put_(where, tokens_d.to(torch.int32))  # the drafts, after each request's last token
         for req, draft in zip(reqs, drafts):
             req.device_len += len(draft)
         batch = Batch(reqs, "verify")
@@ -135,8 +154,7 @@ class Speculator:
         engine.prepare_batch(batch)
         accepted, final = accept_drafts(engine.logits(batch), reqs, drafts, pool)
         # The token after the accepted drafts takes the place of the first rejected one.
-        after = to_device([r.table_idx * width + r.cached_len + 1 for r in reqs], device)
-        pool.put_(after.long() + accepted, final)
+        pool.put_(after_d + accepted, final)
         both = to_host(torch.stack([accepted, final.long()]))
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the host needs them now
@@ -153,10 +171,10 @@ class Speculator:
                 messages.append(TokenMsg(req.uid, t, reason is not None, reason, req.cached_tokens))
                 if reason is not None:
                     s._finish(req)
-                    self.draft_len.pop(req.uid, None)
+                    self.taken.pop(req.uid, None)
                     break
-        if len(self.draft_len) > 2 * len(s.reqs) + 64:  # requests aborted since
-            self.draft_len = {uid: k for uid, k in self.draft_len.items() if uid in s.reqs}
+        if len(self.taken) > 2 * len(s.reqs) + 64:  # requests aborted since
+            self.taken = {uid: v for uid, v in self.taken.items() if uid in s.reqs}
             self.drafter.retain(set(s.reqs))
         return messages
 
@@ -164,8 +182,8 @@ class Speculator:
         self.num_steps += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
-        if drafted:  # all taken: try one more next time; else as many as were taken, and one
-            k = self.draft_len.get(uid, self.max_drafts)
-            grown = min(self.max_drafts, k + 1)
-            self.draft_len[uid] = grown if accepted == drafted else max(1, accepted + 1)
+        if drafted:
+            taken, rejected = self.taken.get(uid, (2.0, 0.5))
+            missed = accepted < drafted  # the draft after the accepted ones was wrong
+            self.taken[uid] = (DECAY * taken + accepted, DECAY * rejected + missed)
             self.accepted_lengths[accepted] += 1
