@@ -3,7 +3,7 @@
 Two workloads of real text through the model's chat template, greedy: "copy" prompts ask to
 repeat, edit or continue text they give (where n-gram drafts pay), "chat" prompts ask open
 questions (where they rarely do). Each runs one request at a time (batch 1) and all at once
-(repeated up to --batch requests), first without drafts, then with them; the outputs must
+(repeated up to each of --batches), first without drafts, then with them; the outputs must
 be the same tokens. Reported next to the speed: accepted drafts per verify step and how
 many verify forwards replayed a CUDA graph.
 
@@ -87,7 +87,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_engine_args(p, tp_size=None)
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--batch", type=int, default=64, help="requests at once in the batch run")
+    p.add_argument(
+        "--batches",
+        default="1,8,32,64",
+        help="batch sizes: 1 runs one request at a time, N all at once",
+    )
+    p.add_argument(
+        "--speculative-max-bs",
+        type=int,
+        default=None,
+        help="larger batches do not speculate (default: the engine's)",
+    )
     p.add_argument("--smoke", action="store_true", help="two prompts, 8 tokens: does it run")
     p.add_argument("--output-json", default=None)
     args = parse(p)
@@ -100,19 +110,21 @@ def main() -> None:
     tokenizer = Tokenizer(args.model)
     workloads = {"copy": COPY, "chat": CHAT}
     max_tokens = 8 if args.smoke else args.max_tokens
+    batches = [int(b) for b in args.batches.split(",")]
     if args.smoke:
         workloads = {name: texts[:2] for name, texts in workloads.items()}
-        args.batch = 4
+        batches = [1, 4]
     params = SamplingParams(max_tokens=max_tokens)
     results: dict[str, dict] = {}
     outputs: dict[tuple, list] = {}
     for mode in ("off", args.speculative):
-        kw = engine_kwargs(args, max_running_req=max(args.batch, 8))
+        kw = engine_kwargs(args, max_running_req=max(*batches, 8))
         if mode == "off":
             kw.pop("speculative", None)
         else:
             kw["speculative"] = mode
-            kw["speculative_max_bs"] = max(args.batch, 8)
+            if args.speculative_max_bs is not None:
+                kw["speculative_max_bs"] = args.speculative_max_bs
         llm = LLM(**kw)
         replays: list[str] = []
         runner = llm.engine.graph_runner
@@ -122,11 +134,9 @@ def main() -> None:
         run(llm, prompts_of(tokenizer, workloads["chat"][:1]), params, True)  # warm-up
         for name, texts in workloads.items():
             prompts = prompts_of(tokenizer, texts)
-            batch = (prompts * (args.batch // len(prompts) + 1))[: args.batch]
-            for label, reqs, alone in (
-                ("batch 1", prompts, True),
-                (f"batch {args.batch}", batch, False),
-            ):
+            for size in batches:
+                label, alone = f"batch {size}", size == 1
+                reqs = prompts if alone else (prompts * (size // len(prompts) + 1))[:size]
                 before = counters(spec, replays)
                 out, seconds = run(llm, reqs, params, alone)
                 drafted, accepted, steps, forwards, graphs = (
