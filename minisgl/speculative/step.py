@@ -59,6 +59,7 @@ class Speculator:
         # Drafts proposed and accepted, requests verified, and verify forwards run.
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
         self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
+        self.skipped: set[str] = set()  # why some batches took the plain step, said once
 
     def try_step(self, batch: Batch) -> list[TokenMsg] | None:
         """Run `batch` (a decode batch) as a verify step and return its tokens; None when
@@ -97,8 +98,17 @@ class Speculator:
             return False
         reqs = batch.reqs
         if self.scheduler.grammars.constrains(reqs):
-            return False
-        return not any(r.sampling_params.logprobs for r in reqs)
+            return self._skip("a request has a grammar, which would have to check every draft")
+        if any(r.sampling_params.logprobs for r in reqs):
+            return self._skip("a request wants log-probabilities, which verify steps do not keep")
+        return True
+
+    def _skip(self, reason: str) -> bool:
+        """Say once per reason why batches take the plain step; False."""
+        if reason not in self.skipped:
+            self.skipped.add(reason)
+            logger.info("speculative decoding: plain steps for batches where %s", reason)
+        return False
 
     def _draft(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafts: as many as its acceptance earns, fewer near its length
