@@ -9,6 +9,7 @@ from torch import nn
 from minisgl.distributed import Split, all_reduce  # [ch21]
 from minisgl.layers.parallel import mark_split, needs_all_reduce, rank_shape  # [ch21]
 from minisgl.layers.triton_ops import gemv_projection  # [ch20]
+from minisgl.quant.fp8 import fp8_projection, is_fp8  # [ch28]
 
 
 class Linear(nn.Module):
@@ -32,6 +33,10 @@ class Linear(nn.Module):
         return y
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # >>> ch28 FP8 weights: multiplied by FP8's own kernels, with their scales
+        if is_fp8(self):
+            return fp8_projection(x, self)
+        # <<< ch28
         # >>> ch20 a few tokens: a matrix-vector product, the weights read once at full speed
         if (y := gemv_projection(x, self.weight, self.bias)) is not None:
             return y

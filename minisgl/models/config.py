@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minisgl.quant.config import Fp8Checkpoint, parse_quantization_config  # [ch28]
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -44,6 +46,7 @@ class ModelConfig:
     # Mistral-style local attention; we attend globally, so contexts are capped at this.
     sliding_window: int | None
     moe: MoEConfig | None
+    quantization: Fp8Checkpoint | None = None  # the checkpoint's own (FP8 weights)  # [ch28]
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -74,6 +77,7 @@ class ModelConfig:
             if raw.get("use_sliding_window", True)
             else None,
             moe=_moe(raw),
+            quantization=parse_quantization_config(raw.get("quantization_config")),  # [ch28]
         )
 
     @classmethod

@@ -21,6 +21,7 @@ from minisgl.layers.rotary import get_rope
 from minisgl.layers.triton_ops import gemv_projection  # [ch20]
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
+from minisgl.quant.fp8 import fp8_projection, is_fp8  # [ch28]
 
 
 class LlamaMLP(nn.Module):
@@ -38,6 +39,10 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # >>> ch28 FP8 weights: gate_up and SiLU-and-mul in FP8's kernels (chapter 20's read bf16)
+        if is_fp8(self.gate_up_proj):
+            return self.down_proj(fp8_projection(x, self.gate_up_proj, gated=True))
+        # <<< ch28
         # >>> ch20 a few tokens: gate_up and SiLU-and-mul in one kernel (with the norm before)
         if (h := gemv_projection(x, self.gate_up_proj.weight, gated=True)) is not None:
             return self.down_proj(h)

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minisgl.layers.parallel import read_rank_slice  # [ch21]
+from minisgl.quant.load import Fp8Loader  # [ch28]
 
 # Pieces that are concatenated (along dim 0) into one of our tensors, in this order.
 _MERGES = {
@@ -53,6 +54,7 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
     files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+    fp8 = Fp8Loader.open(model, model_path, files, place)  # [ch28]
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     tied_head = "lm_head.weight" not in params
     found: dict[str, dict[tuple[int | None, int | None], torch.Tensor]] = defaultdict(dict)
@@ -60,6 +62,8 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if fp8 is not None and fp8.take(f, name):  # [ch28]
+                    continue  # [ch28]
                 target, expert, part = place(name)
                 if target in params:
                     found[target][expert, part] = _read(f, name, params[target], expert, part)
@@ -73,6 +77,8 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
         )
     with torch.no_grad():
         for name, param in params.items():
+            if fp8 is not None:  # [ch28]
+                fp8.prepare(name, found[name], param)  # [ch28]
             tensor = _assemble(name, found[name])
             if tensor.shape != param.shape:
                 raise ValueError(

@@ -1,0 +1,1 @@
+"""Quantised weights: FP8 projections with their scales, loaded, converted and multiplied."""

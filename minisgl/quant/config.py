@@ -1,0 +1,71 @@
+"""Which quantisation a model runs with: asked for by a flag, or stated by its checkpoint.
+
+There are two ways to FP8 weights. `--quantization fp8` (`EngineConfig.quantization`)
+quantises a bf16, fp16 or fp32 checkpoint's projections once they are loaded, with one
+scale per output row. A checkpoint saved in FP8 says so in its config.json, in the layout
+Hugging Face's fine-grained FP8 uses (DeepSeek-V3, Qwen3-*-FP8):
+
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                            "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+with each quantised weight stored as float8_e4m3fn and, beside it, `<name>.weight_scale_inv`:
+one multiplier per block of 128 x 128 weights. Such a folder loads as it is, with no flag.
+Anything else in `quantization_config` is refused here, by name, before a tensor is read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+METHODS = ("fp8",)
+
+
+@dataclass(frozen=True)
+class Fp8Checkpoint:
+    """What config.json says of an FP8 checkpoint: how many weights share one scale."""
+
+    block: tuple[int, int]  # rows (output features) x columns (input features)
+
+
+def check_quantization(method: str | None, model_path: str | None = None) -> None:
+    """Raise ValueError unless `method` is a quantisation we run (None: none asked) and the
+    model in `model_path` can take it: before anything is loaded or any process started."""
+    if method is not None and method not in METHODS:
+        raise ValueError(
+            f"quantization {method!r} is not supported: choose {' or '.join(METHODS)}, or none"
+        )
+    config = Path(model_path or "") / "config.json"
+    if method is not None and config.is_file():
+        parse_quantization_config(json.loads(config.read_text()).get("quantization_config"))
+
+
+def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Checkpoint | None:
+    """The checkpoint's own quantisation from config.json's `quantization_config`, or None
+    for a checkpoint in plain floating point. Raises ValueError for what cannot be loaded."""
+    if raw is None:
+        return None
+    method = raw.get("quant_method")
+    if method != "fp8":
+        raise ValueError(
+            f"the checkpoint is quantised with {method!r}; only Hugging Face's block-scaled "
+            "'fp8' checkpoints load (or a bf16/fp16/fp32 one with quantization 'fp8')"
+        )
+    if raw.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"FP8 format {raw['fmt']!r} is not supported: only e4m3 weights load")
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"activation_scheme {raw['activation_scheme']!r} is not supported: activations "
+            "are scaled as they come ('dynamic'), so static input scales have no use here"
+        )
+    block = raw.get("weight_block_size")
+    if block is None:
+        raise ValueError(
+            "an FP8 checkpoint without weight_block_size (one scale per tensor) is not "
+            "supported: only block-scaled ones load"
+        )
+    if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+        raise ValueError(f"weight_block_size must be two positive integers, got {block!r}")
+    return Fp8Checkpoint((block[0], block[1]))
