@@ -50,6 +50,7 @@ def add_engine_args(
     if attn is not None:  # a tool that builds the whole engine
         p.add_argument("--speculative", default="off", help="off, or ngram: draft and verify")
         p.add_argument("--num-draft-tokens", type=int, default=8, help="with --speculative")
+        p.add_argument("--quantization", choices=["fp8"], help="fp8: FP8 weights")  # [ch28]
 
 
 def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,6 +74,8 @@ def engine_kwargs(args: argparse.Namespace, **override: Any) -> dict[str, Any]:
         kw["tp_size"] = args.tp_size
     if getattr(args, "speculative", "off") != "off":
         kw["speculative"], kw["num_draft_tokens"] = args.speculative, args.num_draft_tokens
+    if getattr(args, "quantization", None):  # [ch28]
+        kw["quantization"] = args.quantization  # [ch28]
     return {**kw, **override}
 
 

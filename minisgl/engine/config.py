@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.registry import backend_names
+from minisgl.quant.config import check_quantization  # [ch28]
 from minisgl.speculative.config import check_speculative  # [ch26]
 
 
@@ -21,6 +22,7 @@ class EngineConfig:
     page_size: int = 1
     attention_backend: str = "auto"
     max_prefill_length: int = 8192  # the most new tokens of one forward: longer prompts are chunked
+    quantization: str | None = None  # "fp8": FP8 projections, one scale per row  # [ch28]
     # >>> ch18 decode CUDA graphs
     # Largest captured decode batch; None: from GPU memory on CUDA, off on CPU; 0: off.
     cuda_graph_max_bs: int | None = None
@@ -80,6 +82,7 @@ class EngineConfig:
             raise ValueError(f"tp_size {self.tp_size} cannot be spread over {self.nnodes} nodes")
         # <<< ch21
         check_speculative(self)  # [ch26]
+        check_quantization(self.quantization, self.model_path)  # [ch28]
         if self.attention_backend not in backend_names():
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "

@@ -27,6 +27,7 @@ _DTYPES = {
 _FIELDS = {f.name: f for f in fields(SchedulerConfig)}
 _PREFILL_GRAPHS = ["off", "breakable", "full"]  # [ch23]
 _PREFILL_HELP = "prefill CUDA graphs (default: breakable on CUDA, off on CPU)"  # [ch23]
+_FP8_HELP = "fp8: FP8 projections, a scale per row (an FP8 checkpoint loads without it)"  # [ch28]
 
 
 @dataclass
@@ -84,6 +85,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("debug_cuda_graph", action="store_true")  # [ch18]
     p.config_option("prefill_graph", choices=_PREFILL_GRAPHS, help=_PREFILL_HELP)  # [ch23]
     add_speculative_options(p)  # [ch26]
+    p.config_option("quantization", choices=["fp8"], help=_FP8_HELP)  # [ch28]
     p.config_option("max_prefill_length", type=int)
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")
