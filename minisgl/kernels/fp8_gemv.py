@@ -195,13 +195,16 @@ def _quantize_kernel(
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x [m, k] -> (q [m, k] float8_e4m3fn, scales [m, ceil(k / group)] fp32), x ≈ q * scale
-    group by group. The scales are laid out column by column (strides (1, m)), the layout
-    the block-scaled matmul reads; a single column is the per-row scale [m, 1]."""
+    group by group. Several groups' scales are laid out column by column (strides (1, m)),
+    as the block-scaled matmul reads them; one group's are the per-row scales [m, 1]."""
     m, k = x.shape
     assert x.stride(1) == 1
     groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    if groups > 1:  # column-major: the layout of cuBLAS's 1x128 recipe
+        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
+    else:
+        scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     block = triton.next_power_of_2(group)
     _quantize_kernel[(m, groups)](
         x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0), scales.stride(1),
