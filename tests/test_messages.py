@@ -29,6 +29,7 @@ from minisgl.engine.limits import EngineLimits
 from minisgl.message import backend, frontend
 from minisgl.message.backend import (
     AbortMsg,
+    FlushCacheMsg,  # [ch27]
     SchedulerOutput,
     SchedulerStats,
     StopMsg,  # [ch21]
@@ -126,6 +127,7 @@ MESSAGES = [
     TokenLogprob("a", -0.25, [97], [TokenLogprob("b", -1.0, [98])]),
     TokenizeMsg(11, SamplingParams(), prompt="Hi", echo=True),
     # <<< ch25
+    FlushCacheMsg(),  # the API server to the scheduler: no fields at all  # [ch27]
 ]
 
 

@@ -45,6 +45,13 @@ class StopMsg:
 
 
 # <<< ch21
+# >>> ch27
+@dataclass
+class FlushCacheMsg:
+    """From the API server straight to the scheduler: empty the prefix cache, if idle."""
+
+
+# <<< ch27
 @dataclass
 class SchedulerStats:
     running: int
@@ -56,6 +63,8 @@ class SchedulerStats:
     spec_drafted_total: int = 0  # draft tokens proposed so far  # [ch26]
     spec_accepted_total: int = 0  # [ch26]
     spec_accepted_lengths: list[int] | None = None  # [n]: verifies that took n drafts  # [ch26]
+    queued_tokens: int = 0  # prompt tokens of the queued requests  # [ch27]
+    cache_flushes_total: int = 0  # [ch27]
 
 
 @dataclass

@@ -17,6 +17,7 @@ from minisgl.message.backend import SchedulerOutput, SchedulerStats
 from minisgl.message.frontend import ReadyMsg
 from minisgl.message.transport import Reader, Writer, address
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.flush import CacheFlusher  # [ch27]
 from minisgl.scheduler.ranks import share_messages  # [ch21]
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.tokenizer import Tokenizer
@@ -35,11 +36,13 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
         spec_drafted_total=s.spec.num_drafted,  # [ch26]
         spec_accepted_total=s.spec.num_accepted,  # [ch26]
         spec_accepted_lengths=s.spec.accepted_lengths if s.spec.enabled else None,  # [ch26]
+        queued_tokens=sum(len(p.input_ids) for p in s.prefill.pending),  # [ch27]
     )
 
 
 def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
     parent = os.getppid()
+    flusher = CacheFlusher(scheduler)  # [ch27]
     while os.getppid() == parent:
         if scheduler.has_work:
             messages = inbox.recv_all()
@@ -47,11 +50,14 @@ def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
             first = inbox.recv(timeout_ms=500)
             messages = [first, *inbox.recv_all()] if first is not None else []
         messages = share_messages(messages)  # every rank applies the same ones  # [ch21]
+        flusher.apply(messages)  # [ch27]
         refused = scheduler.receive(messages)
         stepped = scheduler.has_work
         tokens = scheduler.step() if stepped else []
         if stepped or refused or messages:
-            outbox.send(SchedulerOutput(refused + tokens, scheduler_stats(scheduler)))
+            stats = scheduler_stats(scheduler)
+            flusher.report(stats)  # [ch27]
+            outbox.send(SchedulerOutput(refused + tokens, stats))
 
 
 def run_scheduler_worker(config: SchedulerConfig, ipc_dir: str, log_level: str) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from minisgl.attention.registry import backend_names
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.dp_args import Replicas, add_dp_options, check_dp_options  # [ch27]
 from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
 from minisgl.speculative.config import add_speculative_options  # [ch26]
 
@@ -42,6 +43,7 @@ class ServerArgs:
     shutdown_timeout: float
     worker_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
+    replicas: Replicas | None = None  # --dp-size > 1: this process starts them  # [ch27]
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -71,6 +73,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--dtype", choices=list(_DTYPES), default="auto")
     p.config_option("device", choices=["auto", "cpu", "cuda"])
     add_tp_options(p)  # [ch21]
+    add_dp_options(p)  # [ch27]
     p.config_option("max_running_req", "--max-running-requests", type=int)
     p.config_option("max_seq_len_override", type=int)
     p.config_option(
@@ -132,4 +135,5 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         a.shutdown_timeout,
         a.worker_timeout,
         a.node_rank,  # [ch21]
+        check_dp_options(p, a),  # [ch27]
     )

@@ -19,7 +19,9 @@ from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
+from minisgl.server.replicas import serve_replicas  # [ch27]
 from minisgl.server.supervisor import Supervisor
+from minisgl.server.worker_api import add_worker_routes  # [ch27]
 from minisgl.shell import run_shell  # [ch17]
 
 logger = logging.getLogger("minisgl")
@@ -38,6 +40,7 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         aliases=(args.scheduler.model_path,),
         ready=lambda: server.ready(),
     )
+    add_worker_routes(app, frontend, args, limits, tree.ipc_dir)  # what routers ask  # [ch27]
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     timeouts = args.shutdown_timeout, args.worker_timeout
     server = Supervisor(config, frontend, tree.dead, *timeouts)
@@ -66,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    if args.replicas is not None:  # [ch27]
+        sys.exit(serve_replicas(args, sys.argv[1:] if argv is None else argv))  # [ch27]
     tree = ProcessTree(args)
     # SIGTERM during start-up (before uvicorn takes the signals) must still clean up.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

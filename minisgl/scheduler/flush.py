@@ -1,0 +1,42 @@
+"""Emptying the prefix cache on demand: what POST /flush_cache asks of the scheduler.
+
+A router's operator flushes every replica's cache to start a measurement cold, or after
+swapping weights. Only an idle scheduler flushes: a running request holds (locks) the
+cached prefix it reads, and pages it shares must not go back to the free list under it.
+The API server refuses a flush while it has requests open, so a skipped flush here is a
+request that slipped in between; the count of flushes done goes out in SchedulerStats,
+which is how the API server learns that its flush happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from minisgl.message.backend import FlushCacheMsg, SchedulerStats
+from minisgl.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class CacheFlusher:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.done = 0
+
+    def apply(self, messages: list[Any]) -> None:
+        """Carry out a flush among `messages` (the scheduler itself ignores the message)."""
+        if not any(isinstance(m, FlushCacheMsg) for m in messages):
+            return
+        if self.scheduler.has_work:
+            logger.warning("cache flush skipped: requests are running")
+            return
+        cache = self.scheduler.cache
+        slots = cache.cache.evict(cache.cache.evictable_tokens)
+        cache.allocator.free((slots[:: cache.page_size] // cache.page_size).tolist())
+        self.done += 1
+        logger.info("prefix cache flushed: %d KV pages free", cache.allocator.num_free)
+
+    def report(self, stats: SchedulerStats) -> SchedulerStats:
+        stats.cache_flushes_total = self.done
+        return stats

@@ -1,0 +1,53 @@
+"""The command line of chapter 27: `--dp-size N` replicas behind SGLang's router.
+
+The router is an optional dependency (`pip install "minisgl[router]"`, the `sglang-router`
+package); a missing one is a usage error found before any model loads. What a replica set
+on one machine cannot do (a shell, ranks on several machines) is refused here as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from dataclasses import dataclass
+
+INSTALL = 'pip install "minisgl[router]"'
+POLICIES = ["cache_aware", "round_robin", "power_of_two", "random"]
+
+
+@dataclass(frozen=True)
+class Replicas:
+    size: int
+    policy: str  # the router's: how it picks a replica for each request
+
+
+def add_dp_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dp-size",
+        type=int,
+        default=1,
+        help=f"replicas of the whole server, behind SGLang's router on --port ({INSTALL})",
+    )
+    p.add_argument(
+        "--router-policy",
+        choices=POLICIES,
+        default="cache_aware",
+        help="how the router picks a replica (default: cache_aware, the longest cached prefix)",
+    )
+
+
+def check_dp_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> Replicas | None:
+    if a.dp_size < 1:
+        p.error(f"--dp-size takes a number >= 1, got {a.dp_size}")
+    if a.dp_size == 1:
+        return None
+    if a.shell:
+        p.error("--dp-size serves over HTTP; --shell chats with one server")
+    if a.nnodes > 1 or a.dist_init_addr is not None:
+        p.error(
+            "--dp-size starts its replicas on this machine; for replicas on several, start a"
+            " server on each and the router in front of them (see docs/deployment.md)"
+        )
+    if importlib.util.find_spec("sglang_router") is None:
+        p.error(f"--dp-size puts the replicas behind SGLang's router, not installed: {INSTALL}")
+    return Replicas(a.dp_size, a.router_policy)

@@ -1,0 +1,212 @@
+"""Two minisgl workers behind SGLang's real router (the sglang-router package), on CPU.
+
+- The router registers the workers under the served model's name, and no path it asks of
+  them, at registration or while routing, gets a 404 (their access logs say so).
+- cache_aware sends each conversation's next turn to the worker that holds its prefix:
+  on the same shared-prefix conversations, the share of prompt tokens served from the
+  prefix cache (the workers' /metrics) is higher than with round_robin, and every answer
+  equals a single server's greedy answer.
+- The load report tells the truth: with one worker loaded by requests the router did not
+  send, power_of_two sends every new request to the other. A /get_load that lied (or said
+  nothing) would leave the router to split them.
+- Killing one worker's scheduler mid-run ends that worker's streams with an error event,
+  not a hang, and new requests through the router go to the worker that is left.
+
+Skipped, with the reason printed, where the router's wheel is not installed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from helpers import SMOL, need
+from router_helpers import (
+    Proc,
+    child_titled,
+    counters,
+    router,
+    server,
+    skip_without_router,
+    stop,
+    wait_ready,
+)
+
+skip_without_router(__name__)
+
+MODEL = SMOL.name
+TOPICS = [  # one per conversation: a long first message, the prefix its turns share
+    "You are a ship's navigator in 1850. Describe the stars you steer by, the brass"
+    " instruments on the deck, and the sailors who keep the night watch with you.",
+    "You are a baker in a small mountain village. Describe your wood-fired oven, the flour"
+    " from the valley mill, and the neighbours who knock on your door before dawn.",
+    "You are the keeper of a lighthouse on a rocky island. Describe the great lamp, the"
+    " storms of winter, and the supply boat that comes once a month if the sea allows.",
+]
+TURNS, ANSWER = 3, 8  # turns per conversation, tokens per answer
+ACCESS = re.compile(r'"(GET|POST) (\S+) HTTP/1.1" (\d+)')
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory) -> Iterator[list[Proc]]:
+    log_dir = tmp_path_factory.mktemp("router")
+    procs = [server(need(SMOL), log_dir, "--max-seq-len-override", "512") for _ in range(2)]
+    try:
+        for p in procs:
+            wait_ready(p)
+        yield procs
+    finally:
+        for p in procs:
+            stop(p)
+
+
+def routed(workers: list[Proc], policy: str, *extra: str) -> Proc:
+    r = router([w.base for w in workers], policy, workers[0].log.parent, *extra)
+    wait_ready(r, "/readiness")
+    return r
+
+
+def converse(base: str) -> list[str]:
+    """Every turn of every conversation, one request at a time, turn by turn; the answers."""
+    chats = [[{"role": "user", "content": topic}] for topic in TOPICS]
+    answers = []
+    for turn in range(TURNS):
+        for chat in chats:
+            body = {"model": MODEL, "messages": chat, "max_tokens": ANSWER, "temperature": 0}
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            answers.append(r.json()["choices"][0]["message"]["content"])
+            chat += [{"role": "assistant", "content": answers[-1]}]
+            chat += [{"role": "user", "content": f"Go on, part {turn + 2}."}]
+    return answers
+
+
+def totals(workers: list[Proc], *names: str) -> list[float]:
+    snaps = [counters(w) for w in workers]
+    return [sum(s[f"minisgl:{n}_total"] for s in snaps) for n in names]
+
+
+def test_cache_aware_routing_reuses_more_prefix_than_round_robin(workers):
+    reference = converse(workers[0].base)  # a single server
+    shares = {}
+    for policy in ("round_robin", "cache_aware"):
+        r = routed(workers, policy)
+        try:
+            models = httpx.get(r.base + "/v1/models", timeout=10).json()["data"]
+            assert [m["id"] for m in models] == [MODEL]  # the name, not "unknown"
+            flushed = httpx.post(r.base + "/flush_cache", timeout=30)  # to every worker
+            assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2
+            names = ("cached_tokens", "prompt_tokens")
+            before = totals(workers, *names)
+            assert converse(r.base) == reference
+            cached, prompt = (b - a for a, b in zip(before, totals(workers, *names)))
+            shares[policy] = cached / prompt
+        finally:
+            stop(r)
+    print(f"cached-token share: {shares}")
+    assert shares["cache_aware"] > shares["round_robin"] + 0.1, shares
+    for w in workers:  # every path the routers asked for exists
+        asked = ACCESS.findall(w.log.read_text())
+        missing = {path for _, path, status in asked if status == "404"}
+        assert not missing, f"the router asked {w.base} for {missing}"
+        assert {"/server_info", "/model_info", "/flush_cache"} <= {p for _, p, _ in asked}
+
+
+def stream(base: str, body: dict, out: dict, key: str, stop_when: threading.Event) -> None:
+    """A streamed completion; `out[key]`: its last event (or the error that ended it), and when."""
+    last = ""
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                last = line if line.startswith("data: ") else last
+                if stop_when.is_set():
+                    break
+    except httpx.HTTPError as e:
+        last = f"transport error: {e!r}"
+    out[key] = (last, time.monotonic())
+
+
+def load(w: Proc) -> dict:
+    [entry] = httpx.get(w.base + "/get_load", timeout=10).json()
+    return entry
+
+
+def wait_for(check, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_power_of_two_follows_the_reported_load(workers):
+    busy, idle = workers
+    prompts = [[100 + i, 504, 3575, 282, 4649, 314] * 16 for i in range(2)]  # no common prefix
+    out: dict[str, tuple[str, float]] = {}
+    done = threading.Event()
+    threads = []
+    for i, prompt in enumerate(prompts):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True}
+        body |= {"stream": True, "temperature": 0}
+        args = (busy.base, body, out, str(i), done)
+        threads.append(threading.Thread(target=stream, args=args))
+    r = routed(workers, "power_of_two", "--worker-startup-check-interval", "1")
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: load(busy)["num_reqs"] == 2)
+        assert load(busy)["num_tokens"] >= sum(map(len, prompts))  # the prompts, at least
+        assert load(idle) == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        time.sleep(2.5)  # the router asks for the loads every second
+        before = [counters(w)["minisgl:requests_total"] for w in workers]
+        short = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+        for _ in range(6):
+            assert httpx.post(r.base + "/v1/completions", json=short, timeout=60).status_code == 200
+        after = [counters(w)["minisgl:requests_total"] for w in workers]
+        assert [b - a for a, b in zip(before, after)] == [0, 6]  # all to the idle worker
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+        stop(r)
+    wait_for(lambda: load(busy)["num_tokens"] == 0)  # the aborted streams' pages came back
+
+
+def test_a_dead_worker_fails_its_streams_and_the_router_goes_around_it(workers):
+    keep, victim = workers
+    r = routed(workers, "round_robin")
+    out: dict[str, tuple[str, float]] = {}
+    done = threading.Event()
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True}
+    body |= {"stream": True, "temperature": 0}
+    threads = [
+        threading.Thread(target=stream, args=(r.base, body, out, str(i), done)) for i in range(2)
+    ]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: load(keep)["num_reqs"] == load(victim)["num_reqs"] == 1)
+        child = child_titled(victim.proc.pid, "minisgl::scheduler")
+        os.kill(child, signal.SIGKILL)
+        killed = time.monotonic()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads), "a client hangs"
+        (done_line, _), (error_line, failed_at) = sorted(out.values())
+        assert done_line == "data: [DONE]" and "error" in error_line, out
+        assert failed_at - killed < 10, f"the dead worker's client waited {failed_at - killed} s"
+        assert victim.proc.wait(30) == 1
+        before = counters(keep)["minisgl:requests_total"]
+        short = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+        for _ in range(3):
+            assert httpx.post(r.base + "/v1/completions", json=short, timeout=60).status_code == 200
+        assert counters(keep)["minisgl:requests_total"] - before == 3
+        print(f"the dead worker's stream ended {failed_at - killed:.1f} s after the kill")
+    finally:
+        done.set()
+        stop(r)
