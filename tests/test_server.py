@@ -1093,7 +1093,8 @@ def test_models_lists_the_served_model(server, client):
     assert body["object"] == "list" and body["data"][0]["object"] == "model"
 
 
-SAMPLE = re.compile(r'^[a-z_:][a-z0-9_:]*(\{(le|status)="[^"]+"\})? -?[0-9.e+-]+$')
+LABEL = r'[a-z_]+="[^"]*"'
+SAMPLE = re.compile(rf"^[a-z_:][a-z0-9_:]*(\{{{LABEL}(,{LABEL})*\}})? -?[0-9.e+-]+$")
 
 
 def test_metrics_are_prometheus_text(server, client, tok):
