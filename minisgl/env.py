@@ -20,10 +20,12 @@ class EnvVar(Generic[T]):
     value: T
 
     @classmethod
-    def read(cls, name: str, default: T) -> EnvVar[T]:
+    def read(cls, name: str, default: T, choices: tuple[str, ...] = ()) -> EnvVar[T]:
         raw = os.environ.get(f"MINISGL_{name}")
         if raw is None:
             return cls(name, default, default)
+        if choices and raw not in choices:
+            raise ValueError(f"MINISGL_{name}={raw!r} is not one of {', '.join(choices)}")
         if isinstance(default, bool) or default is None:  # None: a flag left to the code
             if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
                 raise ValueError(f"MINISGL_{name}={raw!r} is not a boolean (use 1 or 0)")
@@ -51,8 +53,12 @@ class _Env:
         # >>> ch19 FlashInfer's fused norm / activation / rotary kernels on CUDA, when installed
         self.FUSED_KERNELS = EnvVar.read("FUSED_KERNELS", True)
         # <<< ch19
-        # >>> ch20 linear layers of at most this many tokens use our GEMV kernel on CUDA (0: never)
+        # >>> ch20 linear layers of at most this many tokens may use our GEMV kernel on CUDA
+        # (0: never); each row count up to it costs its kernels' compilation at start-up
         self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 1)
+        # auto: where the start-up measurement saw it beat the matmul library; on, off: always,
+        # never (for benchmarks)
+        self.GEMV = EnvVar.read("GEMV", "auto", choices=("auto", "on", "off"))
         # <<< ch20
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from helpers import TINY, need
 
 from minisgl.core import SamplingParams
-from minisgl.kernels.gemv import MAX_ROWS, gemv, gemv_blocks
+from minisgl.env import ENV
+from minisgl.kernels.gemv import MAX_ROWS, gemv, gemv_candidates
 from minisgl.layers.activation import silu_and_mul_reference
 from minisgl.layers.norm import RMSNorm
 from minisgl.llm import LLM
@@ -43,8 +44,8 @@ def test_gemv_equals_linear(m: int, n: int, k: int, dtype: torch.dtype) -> None:
     b = torch.randn(n, generator=gen).to(DEV, dtype)
     torch.testing.assert_close(gemv(x, w), F.linear(x, w), **_tol(dtype))
     torch.testing.assert_close(gemv(x, w, b), F.linear(x, w, b), **_tol(dtype))
-    # every block shape computes the same product, the chosen one included
-    for blocks in [(MAX_ROWS, 1, 16, 1), (MAX_ROWS, 8, 64, 4), gemv_blocks(m, n, k)]:
+    # every block shape computes the same product, the ones the start-up measurement tries too
+    for blocks in [(MAX_ROWS, 1, 64, 1), (MAX_ROWS, 8, 64, 4), *gemv_candidates(m, n, k)]:
         torch.testing.assert_close(gemv(x, w, blocks=blocks), F.linear(x, w), **_tol(dtype))
 
 
@@ -94,7 +95,8 @@ def test_gemv_refuses_what_it_cannot_take() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")
 def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Through the whole model, with the kernel forced on for CPU tensors of one row: every
+    """Through the whole model, with the kernel forced on (MINISGL_GEMV=on) and allowed for
+    CPU tensors of one row: every
     decode step's projections run in it, gate_up with SiLU-and-mul, and the norms before
     qkv and gate_up inside the projections' kernels (not the LM head: its 49k rows would take
     the interpreter minutes a step; tests/test_gpu.py runs it on the GPU)."""
@@ -103,12 +105,12 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
     calls = {"plain": 0, "gated": 0, "normed": 0}
     head = {"rows": 0}  # the LM head's rows (the vocabulary) of the model being run
 
-    def counted(x, weight, bias=None, gated=False, norm=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
         if weight.size(0) == head["rows"]:  # the LM head: left to the matmul library
             return F.linear(x, weight, bias)
         calls["gated" if gated else "plain"] += 1
         calls["normed"] += norm is not None
-        return gemv(x, weight, bias, gated=gated, norm=norm)
+        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
 
     def forced(x):
         return counted if x.dim() == 2 and x.size(0) == 1 else None
@@ -121,6 +123,7 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
         for on in (False, True):
             if on:
                 monkeypatch.setattr(triton_ops, "gemv_kernel", forced)
+                monkeypatch.setattr(ENV.GEMV, "value", "on")
             llm = LLM(str(need(TINY[name])), device="cpu", max_running_req=1,
                       num_page_override=64, max_seq_len_override=32)  # fmt: skip
             out.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])

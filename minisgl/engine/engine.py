@@ -34,6 +34,7 @@ from minisgl.engine.bias import (
 # <<< ch25
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphPlan, GraphRunner  # [ch18]
+from minisgl.engine.kernel_choice import choose_kernels  # [ch20]
 
 # >>> ch25
 from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits, top_to_host
@@ -86,7 +87,7 @@ class StepLogits:
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
-        start = time.perf_counter()
+        clock = _Clock()  # the start-up's phases, for one line in the log
         self.config = config
         self.model_config = ModelConfig.from_path(config.model_path)
         self.device = _resolve_device(config.device)
@@ -102,6 +103,7 @@ class Engine:
             self.model = create_model(self.model_config)
         load_weights(self.model, config.model_path)
         self.model.requires_grad_(False)
+        clock.lap("weights")
 
         mc = self.model_config
         heads = (mc.num_heads, mc.num_kv_heads)
@@ -131,22 +133,27 @@ class Engine:
         self.dummy_req = Req(
             torch.zeros(1, dtype=torch.int32), rows - 1, 0, 1, -1, SamplingParams()
         )
+        clock.lap("KV pool")
 
         self.attn_backend = self._create_backend()
         self.ctx = Context(self.attn_backend)
         set_global_ctx(self.ctx)
+        clock.lap("attention backend")
         # >>> ch18 every shape to capture, then one loop that captures them
         plan = GraphPlan.of(self)
         plan.kinds += plan_prefill_graphs(self, plan)  # [ch23]
         plan.kinds += plan_verify_graphs(self, plan)  # [ch26]
+        choose_kernels(self, plan)  # our kernels where they beat the library, measured  # [ch20]
+        clock.lap("kernel choice")  # [ch20]
         self.graph_runner = GraphRunner(
             self.model, self.attn_backend, plan, mc.vocab_size, self.device
         )
+        clock.phases.update(self.graph_runner.capture_seconds)
         # <<< ch18
         logger.info(
-            "engine ready in %.1fs: %s %s on %s, %s attention, %d KV pages of %d tokens, "
+            "engine ready in %s: %s %s on %s, %s attention, %d KV pages of %d tokens, "
             "max_seq_len %d",
-            time.perf_counter() - start,
+            clock,
             mc.architecture,
             self.dtype,
             self.device,
@@ -298,6 +305,22 @@ def _resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' was asked for, but torch sees no CUDA device")
     return device
+
+
+class _Clock:
+    """Seconds per named phase since the last lap; printed as the total and the phases."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.phases: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase], self.last = now - self.last, now
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{phase} {s:.1f}s" for phase, s in self.phases.items())
+        return f"{time.perf_counter() - self.start:.1f}s ({parts})"
 
 
 @contextmanager

@@ -160,9 +160,19 @@ class GraphKind:
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to max_bs, and max_bs itself."""
-    sizes = {bs for bs in (1, 2, 4) if bs <= max_bs} | set(range(8, max_bs + 1, 8)) | {max_bs}
-    return sorted(sizes)
+    """1, 2, 4, 8, then steps of 8 up to 64, of 16 up to 128, of 32 up to 256, of 64 beyond,
+    and max_bs itself: 19 graphs up to 256 instead of 35, each costing start-up time.
+
+    A live batch is padded to the next size. Up to 64 requests the steps are as fine as
+    before, so a small batch wastes at most 7 rows. Above, a padded row costs little: on
+    the H200 a decode step of Qwen3-0.6B's shape grew from 2.0 ms at 64 requests to 3.2 ms
+    at 256, about 6 us a request, so the at most 19% of rows padded there (65 -> 80,
+    129 -> 160) add at most about 0.2 ms to a 3 ms step."""
+    sizes, bs = {1, 2, 4}, 8
+    while bs < max_bs:
+        sizes.add(bs)
+        bs += 8 if bs < 64 else 16 if bs < 128 else 32 if bs < 256 else 64
+    return sorted(s for s in sizes | {max_bs} if s <= max_bs)
 
 
 @dataclass
@@ -172,6 +182,11 @@ class GraphPlan:
     kinds: list[GraphKind]
     max_seq_len: int
     emulated: bool = False  # EmulatedGraphs (CPU, or debug mode on a GPU), not CUDA graphs
+
+    @property
+    def max_tokens(self) -> int:
+        """The most tokens of any captured shape (0: none): larger batches run eagerly."""
+        return max((s.tokens for kind in self.kinds for s in kind.shapes), default=0)
 
     @classmethod
     def of(cls, engine: Engine) -> GraphPlan:
@@ -212,6 +227,7 @@ class GraphRunner:
         self.attn_backend, self.device = attn_backend, device
         self.kinds = {kind.phase: kind for kind in plan.kinds}
         self.stream = torch.cuda.Stream(device) if not plan.emulated else None
+        self.capture_seconds: dict[str, float] = {}  # "decode graphs (19)" -> seconds
         if any(kind.shapes for kind in plan.kinds):
             self._capture_graphs(model, plan, vocab_size)
 
@@ -242,10 +258,14 @@ class GraphRunner:
                 def forward(logits: torch.Tensor = logits) -> None:
                     logits.copy_(model.forward())
 
+                began = time.perf_counter()
                 with ctx.forward_batch(batch):
                     forward()  # warm-up: lazy initialisation stays out of the graph
                     pool = kind.capture(shape, batch, forward, pool, self.stream)
-        _synchronize(self.device)
+                _synchronize(self.device)
+                phase = f"{kind.phase} graphs ({len(kind.shapes)})"
+                spent = self.capture_seconds.get(phase, 0.0) + time.perf_counter() - began
+                self.capture_seconds[phase] = spent
         used = (free_before - _free_memory(self.device)) / 2**20
         logger.info(
             "captured %s (%d) in %.2fs%s: %s",

@@ -9,7 +9,11 @@ products of each block of K apart until the end, so the loop is loads and fused
 multiply-adds with no reduction across threads until the last step.
 
 The blocks are chosen by the shape: enough programs that every SM has several in flight,
-and rows of W read in long contiguous runs.
+rows of W read in long contiguous runs, and no more partial sums per thread than its
+registers hold (past that they spill to memory, and a large model's gate_up projection
+ran at half the matmul library's speed). Which of a few block shapes is fastest, and
+whether any beats the library, is measured on the device at start-up
+(`engine/kernel_choice.py`); `gemv_candidates` lists the shapes it tries.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 4  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
+MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
+Blocks = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
+ACC_PER_THREAD = 64  # fp32 partial sums a thread keeps: more spill out of its registers
 
 
 @triton.jit
@@ -84,21 +90,42 @@ def _gemv_kernel(
     tl.store(y_ptrs, y.to(dtype), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def gemv_blocks(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [m, k] @ W[n, k].T.
+def gemv_blocks(m: int, n: int, k: int, gated: bool = False) -> Blocks:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [m, k] @ W[n, k].T (n per half if gated).
 
-    From a sweep on the H200 (tools/bench_gemv.py --sweep): one warp per program, a few
-    rows each, about 1,000-2,000 programs, and K in two or three blocks."""
+    From a sweep on the H200 (tools/bench_gemv.py --sweep) of Qwen3-0.6B's shapes: one warp
+    per program, a few rows each, about 1,000-2,000 programs, and K in two or three blocks;
+    then K in shorter blocks where the partial sums would not fit in a thread's registers."""
+    block_m = triton.next_power_of_2(m)
     block_n = max(1, min(4, triton.next_power_of_2(n // 1536 + 1) // 2))
     block_k = 512 if k <= 1024 else 1024
-    return triton.next_power_of_2(m), block_n, block_k, 1
+    return block_m, block_n, _fit(block_m * block_n * (1 + gated), block_k, 1), 1
+
+
+def gemv_candidates(m: int, n: int, k: int, gated: bool = False) -> list[Blocks]:
+    """The block shapes the start-up measurement tries: `gemv_blocks`, and one with more
+    bytes in flight per program (a whole row of W, up to 4096 values, read by several warps
+    at once), which suits narrow projections whose few programs leave SMs waiting."""
+    block_m = triton.next_power_of_2(m)
+    block_k = min(triton.next_power_of_2(k), 4096)
+    warps = max(1, min(8, block_m * (1 + gated) * block_k // (32 * 32)))
+    wide = (block_m, 1, _fit(block_m * (1 + gated), block_k, warps), warps)
+    default = gemv_blocks(m, n, k, gated)
+    return [default] if wide == default else [default, wide]
+
+
+def _fit(rows: int, block_k: int, warps: int) -> int:
+    """The longest BLOCK_K, at most `block_k`, whose `rows` partial-sum rows fit in registers."""
+    while block_k > 128 and rows * block_k > ACC_PER_THREAD * 32 * warps:
+        block_k //= 2
+    return block_k
 
 
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    blocks: tuple[int, int, int, int] | None = None,
+    blocks: Blocks | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
@@ -119,7 +146,8 @@ def gemv(
         assert (
             residual.shape == x.shape and residual.stride() == residual_out.stride() == x.stride()
         )
-    block_m, block_n, block_k, warps = blocks or gemv_blocks(m, n, k)
+    block_m, block_n, block_k, warps = blocks or gemv_blocks(m, n, k, gated)
+    assert block_m >= m
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),

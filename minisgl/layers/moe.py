@@ -13,7 +13,7 @@ from torch import nn
 
 from minisgl.distributed import Split, all_reduce  # [ch21]
 from minisgl.layers.activation import silu_and_mul
-from minisgl.layers.fused_moe import fused_experts, use_fused_moe  # [ch22]
+from minisgl.layers.fused_moe import fused_experts, loop_won, use_fused_moe  # [ch22]
 from minisgl.layers.linear import Linear
 from minisgl.models.config import MoEConfig
 
@@ -50,8 +50,8 @@ class Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        # >>> ch22 the fused kernel, where Triton can run it
-        if use_fused_moe(x):
+        # >>> ch22 the fused kernel, where Triton can run it and the loop did not measure faster
+        if use_fused_moe(x) and not loop_won(self.gate_up_proj, x.size(0)):
             return fused_experts(x, self.gate_up_proj, self.down_proj, experts, weights)
         # <<< ch22
         return self.forward_reference(x, experts, weights)

@@ -6,20 +6,28 @@ qkv to rotated q, with the keys rotated and the values stored in the KV cache on
 after it (a gated MLP) and the residual add and RMSNorm before it folded in where asked.
 Each function returns None where its kernel does not apply (the CPU, fp32, more tokens
 than MINISGL_GEMV_MAX_ROWS, no triton), and the layer runs its own code instead.
+
+No GEMV runs blind: at start-up the engine times it against the matmul library for every
+projection shape of the model (`engine/kernel_choice.py`) and hangs the result, a
+`GemvTable`, on the weights; a projection uses the GEMV only where the table says it won.
+MINISGL_GEMV=on|off overrides the table, for benchmarks.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from minisgl.core import get_global_ctx
 from minisgl.env import ENV
+from minisgl.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
     from minisgl.layers.attention import AttentionLayer
@@ -46,12 +54,12 @@ def rope_store_kernel(x: torch.Tensor) -> Callable | None:
 
 
 def gemv_kernel(x: torch.Tensor) -> Callable | None:
-    """`kernels.gemv.gemv` when `x` is a few rows (at most MINISGL_GEMV_MAX_ROWS) of bf16/fp16
-    activations on CUDA: a decode step of a small batch, where the matmul library moves the
-    weights at a fraction of the memory's speed. Else None."""
+    """`kernels.gemv.gemv` when it can take `x`, a few rows (at most MINISGL_GEMV_MAX_ROWS) of
+    bf16/fp16 activations on CUDA: a decode step of a small batch. Else None. Whether it
+    should, for a given weight, is the `GemvTable`'s answer."""
     if not (_on_gpu_in_half(x) and x.dim() == 2 and x.size(0) <= ENV.GEMV_MAX_ROWS.value):
         return None
-    if x.stride(1) != 1:  # the kernel reads each row of x contiguously
+    if x.stride(1) != 1 or ENV.GEMV.value == "off":  # the kernel reads rows of x contiguously
         return None
     return _triton_kernel("gemv", "gemv")
 
@@ -81,11 +89,50 @@ def rope_store(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
     )
 
 
+@dataclass(frozen=True)
+class GemvKey:
+    """A projection as the GEMV sees it: what its speed depends on besides the rows."""
+
+    n: int  # output features (of each half, when gated)
+    k: int  # input features
+    gated: bool  # a merged [gate; up] weight, SiLU-and-mul after it
+    normed: bool  # the residual add and RMSNorm before it, in the same kernel
+    bias: bool
+
+
+Blocks = tuple[int, int, int, int]  # kernels.gemv's BLOCK_M, BLOCK_N, BLOCK_K, num_warps
+GEMV_ROWS = (1, 2, 4, 8)  # row counts the choice is measured at; m rows use the next one up
+
+
+@dataclass
+class GemvTable:
+    """One model's measured choice: for a projection and a row count, the GEMV blocks that
+    beat the matmul library, or None where the library won. Not measured: the library."""
+
+    blocks: dict[tuple[GemvKey, int], Blocks | None] = field(default_factory=dict)
+    report: str = ""  # the timings behind it, one line per shape and row count
+
+    def lookup(self, key: GemvKey, rows: int) -> Blocks | None:
+        bucket = next((r for r in GEMV_ROWS if r >= rows), None)
+        return self.blocks.get((key, bucket)) if bucket is not None else None
+
+
+def gemv_blocks_for(table_on: torch.Tensor, key: GemvKey, rows: int) -> Blocks | None:
+    """The blocks to run this projection in, or None: the matmul library. `table_on` is the
+    tensor the engine hung the table on (the projection's weight, or the norm's before it)."""
+    if ENV.GEMV.value == "on":  # forced on, as before measurement: the default blocks
+        from minisgl.kernels.gemv import gemv_blocks
+
+        return gemv_blocks(rows, key.n, key.k, key.gated)
+    table: GemvTable | None = getattr(table_on, "gemv_table", None)
+    return table.lookup(key, rows) if table is not None else None
+
+
 @dataclass
 class NormedInput:
     """RMSNorm(x + residual), not computed yet: the projection it feeds does the add and the
     norm in its own GEMV kernel (`RMSNorm.forward_add` hands this out where that projection
-    can take it), which saves a kernel and a pass over memory per norm. `residual_out`
+    will use the kernel), which saves a kernel and a pass over memory per norm. `residual_out`
     receives x + residual, the residual stream after the add."""
 
     x: torch.Tensor
@@ -94,14 +141,26 @@ class NormedInput:
     weight: torch.Tensor
     eps: float
 
+    def compute(self) -> torch.Tensor:
+        """The norm apart from the projection, as RMSNorm.reference computes it."""
+        s = torch.add(self.x, self.residual, out=self.residual_out).float()
+        return self.weight * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            self.x.dtype
+        )
+
 
 def defer_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[NormedInput, torch.Tensor] | None:
     """(RMSNorm(x + residual) left to the projection after it, the tensor that will hold
-    x + residual) where the GEMV kernel takes x; else None."""
+    x + residual) where that projection runs in the GEMV kernel; else None. The norm's
+    weight carries the key of the projection it feeds (`engine/kernel_choice.py`)."""
     if gemv_kernel(x) is None:
         return None
+    if _recording is None and ENV.GEMV.value != "on":
+        feeds: GemvKey | None = getattr(weight, "gemv_feeds", None)
+        if feeds is None or gemv_blocks_for(weight, feeds, x.size(0)) is None:
+            return None
     out = torch.empty_like(residual)
     return NormedInput(x, residual, out, weight, eps), out
 
@@ -112,12 +171,58 @@ def gemv_projection(
     bias: torch.Tensor | None = None,
     gated: bool = False,
 ) -> torch.Tensor | None:
-    """x @ weight.T (+ bias) in the GEMV kernel where it takes x, else None. gated: weight is
-    a merged [gate; up] and the result silu(gate) * up. A NormedInput is normed in the same
-    kernel (`defer_norm` made it only where the kernel takes it)."""
-    if isinstance(x, NormedInput):
+    """x @ weight.T (+ bias) in the GEMV kernel where the table chose it, else None. gated:
+    weight is a merged [gate; up] and the result silu(gate) * up. A NormedInput is normed in
+    the same kernel (or, where the kernel is not used after all, apart from it)."""
+    normed = isinstance(x, NormedInput)
+    rows = x.x if isinstance(x, NormedInput) else x
+    kernel = gemv_kernel(rows) if weight.dtype == rows.dtype else None  # not quantised weights
+    if kernel is None and not normed:
+        return None
+    key = GemvKey(weight.size(0) // (1 + gated), weight.size(1), gated, normed, bias is not None)
+    blocks = None
+    if kernel is not None and _recording is not None:
+        norm = (x.weight, x.eps) if normed else (None, 0.0)
+        _recording.append(ProjectionCall(key, weight, bias, *norm))
+    elif kernel is not None:
+        blocks = gemv_blocks_for(weight, key, rows.size(0))
+    if blocks is None:  # the matmul library
+        if not normed:
+            return None if _recording is None else _library(x, weight, bias, gated)
+        return _library(x.compute(), weight, bias, gated)
+    if normed:
         norm = (x.residual, x.residual_out, x.weight, x.eps)
-        return gemv_kernel(x.x)(x.x, weight, bias, gated=gated, norm=norm)
-    if gemv := gemv_kernel(x):
-        return gemv(x, weight, bias, gated=gated)
-    return None
+        return kernel(x.x, weight, bias, blocks=blocks, gated=gated, norm=norm)
+    return kernel(x, weight, bias, blocks=blocks, gated=gated)
+
+
+def _library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool):
+    y = F.linear(x, weight, bias)
+    return silu_and_mul(y) if gated else y
+
+
+# ---- what the model projects: recorded by one forward at start-up ---------------------------
+
+
+@dataclass
+class ProjectionCall:
+    key: GemvKey
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    norm_weight: torch.Tensor | None  # the RMSNorm folded in front of it, when normed
+    norm_eps: float
+
+
+_recording: list[ProjectionCall] | None = None
+
+
+@contextmanager
+def recording_projections() -> Iterator[list[ProjectionCall]]:
+    """Every projection the GEMV could take, as the model calls it, with every norm before
+    one deferred: the forward inside runs each through the matmul library and records it."""
+    global _recording
+    _recording = calls = []
+    try:
+        yield calls
+    finally:
+        _recording = None

@@ -1,0 +1,217 @@
+"""Each hand-written kernel only where it beats the library, measured on the device at hand.
+
+Our GEMV (kernels/gemv.py) was tuned on one small model's projections. On a larger model's
+it ran at half the matmul library's speed, and batch 1 became slower than batch 64. A
+kernel's speed depends on the shape, the row count and the GPU, so here it is not assumed:
+at start-up on CUDA, after the weights load and before graphs are captured, the engine
+
+  1. runs one decode forward of the dummy request with every projection recorded (its
+     weight, whether it is gated, which norm is folded in front of it), so the shapes are
+     the ones the model really uses;
+  2. times, for each distinct shape and each row count up to MINISGL_GEMV_MAX_ROWS, the
+     matmul library's path (with the norm and SiLU-and-mul kernels around it) against
+     the GEMV in each of `gemv_candidates`' block shapes;
+  3. keeps the GEMV where it took at most MARGIN of the library's time, in a `GemvTable`
+     hung on the weights and on the norms that feed them (`layers/triton_ops.py` reads it
+     at every call), and logs the table once.
+
+Each candidate is timed as the decode step will run it: replayed from a CUDA graph (no
+launch cost), over enough of the model's weights of that shape to overflow the L2 cache
+several times (so they come from memory, as in a step), the median of a few replays. Only
+the compilation of the candidates' kernels costs real time, and the kernels that win are
+the ones the graphs would have compiled anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import Batch
+from minisgl.env import ENV
+from minisgl.layers import triton_ops
+from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.norm import RMSNorm
+from minisgl.layers.triton_ops import (
+    GEMV_ROWS,
+    Blocks,
+    GemvKey,
+    GemvTable,
+    ProjectionCall,
+    recording_projections,
+)
+
+if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
+    from minisgl.engine.graph import GraphPlan
+
+logger = logging.getLogger(__name__)
+
+# (what is timed: the projection and the candidate, a function that runs it) -> seconds per run
+Timer = Callable[[str, Callable[[], object]], float]
+MARGIN = 0.95  # our kernel is chosen where it takes at most this share of the library's time
+L2_OVERFLOW = (
+    8  # weights timed per shape: at least this many times the L2 cache, if the model has them
+)
+
+
+def choose_kernels(engine: Engine, plan: GraphPlan, timer: Timer | None = None) -> None:
+    """Measure, choose and log; the choices live on the model's tensors from then on."""
+    start = time.perf_counter()
+    table = choose_gemv(engine, timer or time_in_graph)
+    if table is not None:
+        logger.info("GEMV or the matmul library, by measurement (us per call):\n%s", table.report)
+    # >>> ch22 the fused MoE kernel or the loop over experts, for batches no graph holds
+    if engine.device.type == "cuda" or timer is not None:
+        from minisgl.layers.fused_moe import choose_moe_path
+
+        choose_moe_path(engine.model, plan.max_tokens, engine.config.max_prefill_length, timer)
+    # <<< ch22
+    if engine.device.type == "cuda":
+        logger.info("kernel choice took %.2fs", time.perf_counter() - start)
+
+
+def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
+    """The GEMV table of the engine's model, hung on its weights; None where the GEMV cannot
+    run here (CPU, fp32, no triton) or is forced on or off (MINISGL_GEMV)."""
+    probe = torch.empty(1, 1, dtype=engine.dtype, device=engine.device)
+    if ENV.GEMV.value != "auto" or triton_ops.gemv_kernel(probe) is None:
+        return None
+    from minisgl.kernels.gemv import MAX_ROWS  # imports triton: only where the GEMV may run
+
+    rows = [r for r in GEMV_ROWS if r <= min(ENV.GEMV_MAX_ROWS.value, MAX_ROWS)]
+    calls = record_projections(engine)
+    names = {  # a tied LM head is named for the module that uses it last, the head
+        id(p): name for name, m in engine.model.named_modules() for p in m.parameters(False)
+    }
+    by_shape: dict[tuple, list[torch.Tensor]] = {}
+    for p in engine.model.parameters():
+        by_shape.setdefault((p.shape, p.dtype), []).append(p)
+    table, lines = GemvTable(), []
+    for key, call in {c.key: c for c in calls}.items():
+        weights = _enough(by_shape[call.weight.shape, call.weight.dtype], engine.device)
+        name = _short(names.get(id(call.weight), "?"))
+        for m in rows:
+            what = f"{name} {_describe(key)} rows {m}"
+            runs = candidates(call, weights, m)
+            times = {c: timer(f"{what}: {c}", run) / len(weights) for c, (_, run) in runs.items()}
+            label = pick(times)
+            table.blocks[key, m] = runs[label][0]
+            lines.append(f"  {what}: {_show(times)} -> {label}")
+    for call in calls:
+        call.weight.gemv_table = table  # type: ignore[attr-defined]
+        if call.norm_weight is not None:
+            call.norm_weight.gemv_table = table  # type: ignore[attr-defined]
+            call.norm_weight.gemv_feeds = call.key  # type: ignore[attr-defined]
+    table.report = "\n".join(lines)
+    return table
+
+
+def pick(times: dict[str, float]) -> str:
+    """ "library", or the fastest GEMV candidate where it beats the library by the margin."""
+    best = min((label for label in times if label != "library"), key=times.__getitem__)
+    return best if times[best] <= MARGIN * times["library"] else "library"
+
+
+def record_projections(engine: Engine) -> list[ProjectionCall]:
+    """Every projection of one decode forward of the dummy request, one token (its K/V goes
+    to the dummy page, as in graph capture)."""
+    row = engine.dummy_req.table_idx
+    batch = Batch([engine.dummy_req], "decode")
+    batch.input_ids = engine.token_pool[row, :1]
+    batch.positions = torch.zeros(1, dtype=torch.int32, device=engine.device)
+    batch.out_loc = engine.page_table[row, :1]
+    engine.attn_backend.prepare_metadata(batch)
+    with torch.inference_mode(), recording_projections() as calls, engine.ctx.forward_batch(batch):
+        engine.model.forward()
+    return calls
+
+
+def candidates(
+    call: ProjectionCall, weights: list[torch.Tensor], m: int
+) -> dict[str, tuple[Blocks | None, Callable[[], object]]]:
+    """label -> (GEMV blocks or None for the library, a run of it over `weights`)."""
+    from minisgl.kernels.gemv import gemv, gemv_candidates
+
+    key, w0 = call.key, call.weight
+    x = torch.randn(m, key.k, dtype=w0.dtype, device=w0.device)
+    residual, out = torch.randn_like(x), torch.empty_like(x)
+    norm = None
+    if call.norm_weight is not None:
+        norm = RMSNorm(key.k, call.norm_eps)
+        norm.weight = torch.nn.Parameter(call.norm_weight, requires_grad=False)
+
+    def library() -> None:
+        for w in weights:  # the layers' own path: a norm kernel, the matmul, SiLU-and-mul
+            h = norm.forward_add(x, residual)[0] if norm is not None else x
+            y = F.linear(h, w, call.bias)
+            if key.gated:
+                silu_and_mul(y)
+
+    def ours(blocks: Blocks) -> Callable[[], None]:
+        fold = (residual, out, call.norm_weight, call.norm_eps) if norm is not None else None
+
+        def run() -> None:
+            for w in weights:
+                gemv(x, w, call.bias, blocks=blocks, gated=key.gated, norm=fold)
+
+        return run
+
+    runs: dict[str, tuple[Blocks | None, Callable[[], object]]] = {"library": (None, library)}
+    for blocks in gemv_candidates(m, key.n, key.k, key.gated):
+        runs["gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"] = (blocks, ours(blocks))
+    return runs
+
+
+def time_in_graph(label: str, run: Callable[[], object], reps: int = 5) -> float:
+    """Seconds per `run()`, replayed from a CUDA graph: the median of `reps` replays."""
+    run()  # compiles, and keeps lazy set-up out of the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _enough(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The first weights of a shape whose bytes overflow the L2 cache L2_OVERFLOW times."""
+    if device.type != "cuda":
+        return weights[:1]
+    budget = L2_OVERFLOW * torch.cuda.get_device_properties(device).L2_cache_size
+    count, size = 0, 0
+    while count < len(weights) and size < budget:
+        size += weights[count].nbytes
+        count += 1
+    return weights[:count]
+
+
+def _short(name: str) -> str:
+    """model.layers.3.self_attn.qkv_proj -> self_attn.qkv_proj"""
+    parts = name.split(".")
+    return ".".join(parts[3:]) if parts[:2] == ["model", "layers"] else name
+
+
+def _describe(key: GemvKey) -> str:
+    extras = [
+        s for s, on in (("gated", key.gated), ("+norm", key.normed), ("+bias", key.bias)) if on
+    ]
+    return f"[{key.n}x{key.k}{' ' if extras else ''}{' '.join(extras)}]"
+
+
+def _show(times: dict[str, float]) -> str:
+    return " | ".join(f"{label} {t * 1e6:.1f}" for label, t in times.items())
