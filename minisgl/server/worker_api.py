@@ -11,6 +11,10 @@ gateway) was written against SGLang's server, and asks each worker for these pat
   /v1/loads first): the tokens each worker holds and has queued; the smaller wins;
 - when its operator asks, POST /flush_cache on every worker.
 
+vllm-router, a fork of it, asks /health, /flush_cache and vLLM's /reset_prefix_cache (the
+same flush here), and reads its power_of_two load as a `load` field of /get_load, an
+older shape than the list SGLang's router reads now, which is the one served here.
+
 Every load figure is the scheduler's own last report (SchedulerStats, sent after every
 step): its queue and its KV pages. A count kept by the HTTP process would miss what only
 the scheduler sees: a preempted request back in the queue, pages a cached prefix holds.
@@ -189,6 +193,7 @@ def add_worker_routes(
         return card.loads(frontend.metrics.stats)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
+    @app.post("/reset_prefix_cache")  # vLLM's name, which vllm-router calls
     async def flush_cache() -> JSONResponse:
         if frontend.refusal is not None:
             raise frontend.refusal
