@@ -60,7 +60,8 @@ def test_unknown_backend_is_refused_with_the_choices() -> None:
 
 
 def test_auto_on_cuda_prefers_fi_and_says_why_not(monkeypatch, caplog) -> None:
-    # Only the declarations are asked; nothing touches a GPU.
+    # Only the declarations are asked; nothing touches a GPU (and no GPU's measured order).
+    monkeypatch.setattr("minisgl.attention.registry.gpu_model", lambda device: None)
     monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())
     assert select_backend("auto", CUDA, torch.bfloat16, 16) is FlashInferBackend
