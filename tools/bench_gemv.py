@@ -1,14 +1,18 @@
-"""Batch-1 linear layers: the matmul library (cuBLAS through F.linear) against our GEMV.
+"""Linear layers of a few tokens: the matmul library (cuBLAS through F.linear) against our GEMV.
 
-    python tools/bench_gemv.py                      # Qwen3-0.6B's layer shapes, H200
-    python tools/bench_gemv.py --sweep              # every block shape, best one per layer
-    python tools/bench_gemv.py --device cpu --layers 2   # a smoke test (TRITON_INTERPRET=1)
+    python tools/bench_gemv.py                      # Qwen3-0.6B's projections at 1, 2, 4 rows
+    python tools/bench_gemv.py --models qwen3-0.6b,qwen3-8b,qwen3-14b,qwen3-30b-a3b --rows 1,2,4,8
+    python tools/bench_gemv.py --models qwen3-8b --sweep   # every block shape, best per layer
+    python tools/bench_gemv.py --device cpu --models tiny --rows 1 --reps 1  # smoke test
 
-Each layer shape gets enough distinct weight matrices that together they are far larger
-than the GPU's L2 cache (50 MB on an H200), as the 28 layers of a model are; one CUDA
-graph runs the op over all of them, and the time per call is the graph's time over the
-calls. "GB/s" is the weight bytes over that time. `--sweep` also tries every block shape
-of the GEMV kernel and prints the best per layer shape and rows.
+Each projection of a model (qkv, o, gate_up with SiLU-and-mul after it, down, the MoE
+router, the LM head) is timed exactly as the engine's start-up measurement times it
+(`engine/kernel_choice.py`): the library's path against each of `gemv_candidates`' block
+shapes, replayed from a CUDA graph over enough distinct weights of the shape to overflow the
+L2 cache many times, as a model's layers do. "chosen" is what the engine would run there (the
+GEMV where it takes at most 95% of the library's time); "step" adds a shape up over a model's
+layers: the projections of one decode step, by the library alone and by the choice. GB/s is
+the weight bytes over the time; the H200 reads about 4.8 TB/s.
 """
 
 from __future__ import annotations
@@ -20,158 +24,146 @@ import math
 import time
 
 import torch
-import torch.nn.functional as F
 from common import add_device_args, parse
+from make_random_model import SHAPES as MODELS
 
-SHAPES = {  # name -> (out features, in features), Qwen3-0.6B
-    "qkv": (4096, 1024),
-    "o": (1024, 2048),
-    "gate_up": (6144, 1024),
-    "down": (1024, 3072),
-    "lm_head": (151936, 1024),
-}
+from minisgl.engine.kernel_choice import candidates, pick, time_in_graph
+from minisgl.layers.triton_ops import GemvKey, ProjectionCall
+
+MODELS = {**MODELS, "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)}  # fmt: skip
 
 
-def time_graph(fn, device: torch.device, reps: int) -> float:
-    """Seconds per call of `fn` (which runs the op over every weight), from a CUDA graph."""
-    if device.type != "cuda":
-        fn()
-        return float("nan")
-    fn()  # compile / warm up outside the graph
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
+def projections(spec: dict) -> dict[str, tuple[GemvKey, int]]:
+    """name -> (the GEMV's view of the projection, how many a decode step runs)."""
+    h, layers, hd = spec["hidden_size"], spec["num_hidden_layers"], spec["head_dim"]
+    q, kv = spec["num_attention_heads"] * hd, spec["num_key_value_heads"] * hd
+    out = {
+        "qkv": (GemvKey(q + 2 * kv, h, False, False, False), layers),
+        "o": (GemvKey(h, q, False, False, False), layers),
+    }
+    if "num_experts" in spec:  # every layer a mixture of experts: the router is the projection
+        out["router"] = (GemvKey(spec["num_experts"], h, False, False, False), layers)
+    else:
+        inter = spec["intermediate_size"]
+        out["gate_up"] = (GemvKey(inter, h, True, False, False), layers)
+        out["down"] = (GemvKey(h, inter, False, False, False), layers)
+    out["lm_head"] = (GemvKey(spec["vocab_size"], h, False, False, False), 1)
+    return out
+
+
+def weights_for(key: GemvKey, dtype: torch.dtype, device: torch.device, min_bytes: float):
+    rows = key.n * (1 + key.gated)
+    count = max(2, math.ceil(min_bytes / (rows * key.k * dtype.itemsize)))
+    count = count if device.type == "cuda" else 1
+    return [torch.randn(rows, key.k, device=device, dtype=dtype) * 0.02 for _ in range(count)]
+
+
+def timer(reps: int):
+    def time_it(label: str, run) -> float:
+        if torch.cuda.is_available():
+            return time_in_graph(label, run, reps)
+        start = time.perf_counter()
+        run()
+        return time.perf_counter() - start
+
+    return time_it
+
+
+def sweep_blocks(m: int, key: GemvKey) -> list[tuple[int, int, int, int]]:
+    """Block shapes worth a try: at most 128 partial sums a thread, K blocks no longer than
+    twice the row."""
+    bm, out = 1 << (m - 1).bit_length(), []
+    for bn, bk, warps in itertools.product([1, 2, 4, 8], [128, 256, 512, 1024, 2048, 4096],
+                                           [1, 2, 4, 8]):  # fmt: skip
+        if (
+            bk <= 2 * (1 << (key.k - 1).bit_length())
+            and bm * bn * bk * (1 + key.gated) <= 128 * 32 * warps
+        ):
+            out.append((bm, bn, bk, warps))
+    return out
+
+
+def sweep(key: GemvKey, weights: list[torch.Tensor], m: int, time_it) -> dict[tuple, float]:
+    """us per call of the GEMV in every block shape `sweep_blocks` offers."""
+    from minisgl.kernels.gemv import gemv
+
+    x = torch.randn(m, key.k, device=weights[0].device, dtype=weights[0].dtype)
+
+    def run(blocks: tuple[int, int, int, int]) -> None:
+        for w in weights:
+            gemv(x, w, blocks=blocks, gated=key.gated)
+
+    return {
+        b: time_it(str(b), lambda b=b: run(b)) / len(weights) * 1e6 for b in sweep_blocks(m, key)
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_device_args(p)
+    p.add_argument("--models", default="qwen3-0.6b", help=f"of {', '.join(MODELS)}")
     p.add_argument("--rows", default="1,2,4")
-    p.add_argument("--sweep", action="store_true")
-    p.add_argument("--layers", type=int, default=28, help="distinct weights of a 'layer' run")
+    p.add_argument("--sweep", action="store_true", help="also every block shape, at --sweep-rows")
+    p.add_argument("--sweep-rows", default="1")
     p.add_argument("--min-bytes", type=float, default=512e6, help="weights per shape at least")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=10)
     p.add_argument("--output-json")
     args = parse(p)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    from minisgl.kernels.gemv import gemv, gemv_blocks
-
     torch.manual_seed(0)
-    weights = {}
-    for name, (n, k) in SHAPES.items():
-        count = max(2, math.ceil(args.min_bytes / (n * k * dtype.itemsize)))
-        count = count if device.type == "cuda" else 1
-        weights[name] = [torch.randn(n, k, device=device, dtype=dtype) * 0.02 for _ in range(count)]
-    results: dict = {"shapes": {}, "layers": {}}
-    rows_list = [int(r) for r in args.rows.split(",")]
-    configs = list(itertools.product([1, 2, 4, 8, 16, 32], [128, 256, 512, 1024], [1, 2, 4, 8]))
-    for name, ws in weights.items():
-        n, k = SHAPES[name]
+    time_it, rows_list = timer(args.reps), [int(r) for r in args.rows.split(",")]
+    sweep_rows = [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}, {args.dtype}; us per call, GB/s of weights in brackets\n")
+    print("| model | layer | out x in | rows | library | GEMV candidates | chosen | vs library |")
+    print("|---|---|---|---|---|---|---|---|")
+    results: dict = {}
+    for model in args.models.split(","):
+        step: dict[int, list[float]] = {m: [0.0, 0.0] for m in rows_list}  # library, chosen
+        nbytes = 0
+        for layer, (key, count) in projections(MODELS[model]).items():
+            weights = weights_for(key, dtype, device, args.min_bytes)
+            call = ProjectionCall(key, weights[0], None, None, 0.0)
+            size = weights[0].nbytes
+            nbytes += size * count
+            for m in rows_list:
+                runs = candidates(call, weights, m)
+                us = {c: time_it(c, run) / len(weights) * 1e6 for c, (_, run) in runs.items()}
+                chosen = pick(us)
+                step[m][0] += us["library"] * count
+                step[m][1] += us[chosen] * count
+                gemvs = ", ".join(f"{c[5:]} {t:.1f}" for c, t in us.items() if c != "library")
+                print(
+                    f"| {model} | {layer} | {key.n * (1 + key.gated)}x{key.k}"
+                    f"{' gated' if key.gated else ''} | {m} | {us['library']:.1f} "
+                    f"({size / us['library'] / 1e3:.0f}) | {gemvs} | {chosen} "
+                    f"({size / us[chosen] / 1e3:.0f}) | {us['library'] / us[chosen]:.2f}x |",
+                    flush=True,
+                )
+                results[f"{model} {layer} m={m}"] = us
+            for m in sweep_rows:
+                swept = sweep(key, weights, m, time_it)
+                best = min(swept, key=swept.__getitem__)
+                print(
+                    f"|   sweep | {layer} rows {m}: best {best} {swept[best]:.1f} us "
+                    f"({size / swept[best] / 1e3:.0f} GB/s) of {len(swept)} shapes |"
+                )
+                results[f"{model} {layer} m={m} sweep"] = {str(b): t for b, t in swept.items()}
         for m in rows_list:
-            x = torch.randn(m, k, device=device, dtype=dtype)
-            ref = F.linear(x, ws[0]).float()
-            err = (gemv(x, ws[0]).float() - ref).abs().max().item() / ref.abs().max().item()
-            nbytes = sum(w.numel() * w.element_size() for w in ws)
-            row = {"error": err}
-
-            def run_lib(x=x, ws=ws):
-                for w in ws:
-                    F.linear(x, w)
-
-            def run_gemv(x=x, ws=ws, blocks=None):
-                for w in ws:
-                    gemv(x, w, blocks=blocks)
-
-            for label, fn in (("cublas", run_lib), ("gemv", run_gemv)):
-                t = time_graph(fn, device, args.reps) / len(ws)
-                row[label] = {"us": t * 1e6, "gbps": nbytes / len(ws) / t / 1e9}
-            if args.sweep and m == 1 and device.type == "cuda":
-                best = None
-                for bn, bk, warps in configs:
-                    if bk > 2 * triton_next_pow2(k) or m * bn * bk > 32768:
-                        continue
-                    blocks = (triton_next_pow2(m), bn, bk, warps)
-                    t = time_graph(lambda b=blocks: run_gemv(blocks=b), device, 5) / len(ws)
-                    if best is None or t < best[0]:
-                        best = (t, blocks)
-                row["best"] = {"us": best[0] * 1e6, "blocks": best[1]}
-            row["default_blocks"] = gemv_blocks(m, n, k)
-            results["shapes"][f"{name} m={m}"] = row
-            best = row.get("best")
-            best_txt = f"  best {best['us']:7.2f} us {best['blocks']}" if best else ""
+            lib, ours = step[m]
             print(
-                f"{name:8s} m={m} [{n}x{k}]  cublas {row['cublas']['us']:7.2f} us "
-                f"{row['cublas']['gbps']:6.0f} GB/s   gemv {row['gemv']['us']:7.2f} us "
-                f"{row['gemv']['gbps']:6.0f} GB/s  err {err:.1e}{best_txt}",
+                f"| {model} | step: every layer's projections | {nbytes / 1e9:.2f} GB | {m} "
+                f"| {lib / 1e3:.3f} ms ({nbytes / lib / 1e3:.0f}) | | {ours / 1e3:.3f} ms "
+                f"({nbytes / ours / 1e3:.0f}) | {lib / ours:.2f}x |",
                 flush=True,
             )
-    # A model's layer stack: the four projections of `--layers` layers, distinct weights.
-    for m in rows_list:
-        stack = [[weights[s][i % len(weights[s])] for s in ("qkv", "o", "gate_up", "down")]
-                 for i in range(args.layers)]  # fmt: skip
-        xs = {s: torch.randn(m, SHAPES[s][1], device=device, dtype=dtype) for s in SHAPES}
-
-        def layers(op, stack=stack, xs=xs):
-            for ws in stack:
-                for s, w in zip(("qkv", "o", "gate_up", "down"), ws):
-                    op(xs[s], w)
-
-        t_lib = time_graph(lambda: layers(F.linear), device, args.reps)
-        t_gemv = time_graph(lambda: layers(gemv), device, args.reps)
-        nbytes = sum(w.numel() * w.element_size() for ws in stack for w in ws)
-        results["layers"][m] = {"cublas_ms": t_lib * 1e3, "gemv_ms": t_gemv * 1e3}
-        print(
-            f"{args.layers} layers m={m}: cublas {t_lib * 1e3:.3f} ms "
-            f"({nbytes / t_lib / 1e9:.0f} GB/s), gemv {t_gemv * 1e3:.3f} ms "
-            f"({nbytes / t_gemv / 1e9:.0f} GB/s)",
-            flush=True,
-        )
-    # The host's price of a graph launch, by the kind of kernel in it: the torch profiler
-    # inflates it, so it is timed here with the host's clock alone.
-    if device.type == "cuda":
-        x = torch.randn(1, 1024, device=device, dtype=dtype)
-        w = weights["qkv"][0]
-        kinds = {
-            "cublas": lambda: F.linear(x, w),
-            "triton gemv": lambda: gemv(x, w),
-            "torch add": lambda: x.add(1.0),
-        }
-        results["launch"] = {}
-        for label, op in kinds.items():
-            for nodes in (100, 300):
-                graph = torch.cuda.CUDAGraph()
-                op()
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph):
-                    for _ in range(nodes):
-                        op()
-                host = []
-                for _ in range(30):
-                    torch.cuda.synchronize()
-                    start = time.perf_counter()
-                    graph.replay()
-                    host.append(time.perf_counter() - start)
-                torch.cuda.synchronize()
-                us = sorted(host)[len(host) // 2] * 1e6
-                results["launch"][f"{label} x{nodes}"] = us
-                print(f"graph launch, {nodes} {label} kernels: {us:.1f} us of host", flush=True)
+            results[f"{model} step m={m}"] = {"library_ms": lib / 1e3, "chosen_ms": ours / 1e3}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 if __name__ == "__main__":

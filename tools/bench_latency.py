@@ -4,9 +4,14 @@ Side by side in one run: minisgl with CUDA graphs, minisgl eager (`cuda_graph_ma
 Hugging Face `generate` with its dynamic cache, and `generate` with a static cache compiled
 by torch.compile (what a user would reach for instead). Each time per token is taken as
 (time for 1 + n tokens - time for 1 token) / n, so the prefill drops out. Next to each
-batch-1 figure: the bandwidth it achieves reading the weights once per token.
+batch-1 figure: the bandwidth it achieves reading the weights once per token. Graphs are
+captured for the measured batch sizes only.
+
+`--gemv auto,off` runs the graphs once per MINISGL_GEMV setting (our GEMV where the start-up
+measurement chose it, and never), side by side.
 
     python tools/bench_latency.py --model /tmp/qwen3-0.6b --plot docs/decode_step.png
+    python tools/bench_latency.py --model /tmp/qwen3-8b --gemv auto,off --skip-hf --skip-eager
 """
 
 from __future__ import annotations
@@ -53,12 +58,15 @@ def minisgl_llm(args: argparse.Namespace, graph_bs: int) -> object:
 
     max_bs = max(args.batch_sizes)
     tokens = args.input_len + max(args.output_len, args.step_tokens) + 8
+    graphs = dict(cuda_graph_bs=sorted(set(args.batch_sizes))) if graph_bs else {}
     return LLM(
         **engine_kwargs(args),
         max_running_req=max_bs,
         num_page_override=max_bs * tokens,
         max_seq_len_override=tokens,
         cuda_graph_max_bs=graph_bs,
+        prefill_graph=args.prefill_graph,
+        **graphs,
     )
 
 
@@ -156,8 +164,13 @@ def main() -> None:
     p.add_argument("--output-json", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-eager", action="store_true", help="minisgl with CUDA graphs only")
+    p.add_argument("--gemv", default="auto", help="MINISGL_GEMV settings to run, e.g. auto,off")
+    p.add_argument("--prefill-graph", help="off: no prefill graphs (decode is what is timed)")
     args = parse(p)
     args.batch_sizes = args.batch_sizes or [1, 8, 32, 128, 256]
+    modes = args.gemv.split(",")
+    if not set(modes) <= {"auto", "on", "off"}:
+        p.error(f"--gemv takes auto, on and off, got {args.gemv!r}")
 
     from minisgl.models.config import ModelConfig
 
@@ -168,8 +181,20 @@ def main() -> None:
         f"{name}, {args.dtype}, prompt {args.input_len} tokens, "
         f"{weights / 1e9:.2f} GB of weights (torch {torch.__version__})"
     )
-    results = {"graphs": bench_minisgl(args, prompts, True)}
-    rows = [(f"minisgl, CUDA graphs ({args.attn})", results["graphs"]["batch1_ms"])]
+    from minisgl.env import ENV
+
+    results = {}
+    for mode in modes:  # the first is "graphs", the rest "graphs, GEMV <mode>"
+        ENV.GEMV.value = mode
+        results["graphs" if mode == modes[0] else f"graphs, GEMV {mode}"] = bench_minisgl(
+            args, prompts, True
+        )
+    ENV.GEMV.value = modes[0]
+    label = f"minisgl, CUDA graphs ({args.attn}{f', GEMV {modes[0]}' if len(modes) > 1 else ''})"
+    rows = [(label, results["graphs"]["batch1_ms"])]
+    for m in modes[1:]:
+        ms = results[f"graphs, GEMV {m}"]["batch1_ms"]
+        rows.append((f"minisgl, CUDA graphs ({args.attn}, GEMV {m})", ms))
     if not args.skip_eager:
         results["eager"] = bench_minisgl(args, prompts, False)
         rows.append(("minisgl, eager", results["eager"]["batch1_ms"]))
@@ -191,18 +216,27 @@ def main() -> None:
         f"\ndecode step by batch size ({args.step_tokens} tokens, prompt {args.input_len}); "
         "forward = the forward alone, device synchronised; busy = forward / step\n"
     )
+    others = [f"GEMV {m}" for m in modes[1:]]
     print(
         "| batch | graphs step ms | graphs forward ms | graphs busy | eager step ms "
-        "| eager forward ms | eager / graphs | graphs tok/s |\n|---|---|---|---|---|---|---|---|"
+        "| eager forward ms | eager / graphs | graphs tok/s |"
+        + "".join(f" {o} step ms | {o} / graphs |" for o in others)
+        + "\n|---|---|---|---|---|---|---|---|"
+        + "---|---|" * len(others)
     )
     for bs in args.batch_sizes:
         g, gf = results["graphs"]["steps"][bs]
         e, ef = results["eager"]["steps"][bs] if "eager" in results else (math.nan, math.nan)
+        extra = ""
+        for name in others:
+            step_ms = results[f"graphs, {name}"]["steps"][bs][0]
+            extra += f" {step_ms:.3f} | {step_ms / g:.2f}x |"
         print(
             f"| {bs} | {g:.3f} | {gf:.3f} | {100 * min(gf / g, 1):.0f}% | {e:.3f} | {ef:.3f} "
-            f"| {e / g:.2f}x | {bs / g * 1e3:.0f} |"
+            f"| {e / g:.2f}x | {bs / g * 1e3:.0f} |{extra}"
         )
     results["batch1"] = dict(rows)
+    results["weight_bytes"] = weights
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1, default=str)

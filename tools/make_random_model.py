@@ -6,11 +6,18 @@ come from an existing folder; prompts in benchmarks are random token ids anyway.
 
     python tools/make_random_model.py --shape qwen3-0.6b --out /tmp/qwen3-0.6b \\
         --tokenizer-from models/SmolLM2-135M-Instruct
+    python tools/make_random_model.py --shape qwen3-30b-a3b --num-layers 12 --device cuda \\
+        --out /tmp/qwen3-30b-a3b-12l --tokenizer-from models/SmolLM2-135M-Instruct
+
+`--num-layers` keeps every layer's real shape and only stacks fewer of them: Qwen3-30B-A3B
+is 61 GB in bf16 with its 48 layers, 16.2 GB with 12. The tool refuses a model larger than
+the free disk.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -66,6 +73,26 @@ SHAPES = {
         tie_word_embeddings=False,
         max_position_embeddings=40960,
     ),
+    # Qwen3-30B-A3B: 48 layers, each a mixture of 128 experts (8 active per token, intermediate
+    # 768), attention with 32 query and 4 KV heads of 128: 30.5B parameters, about 3B active.
+    "qwen3-30b-a3b": dict(
+        arch="Qwen3MoeForCausalLM",
+        hidden_size=2048,
+        intermediate_size=6144,  # of a dense MLP layer; it has none (decoder_sparse_step 1)
+        moe_intermediate_size=768,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+    ),
     "smollm2-135m": dict(
         arch="LlamaForCausalLM",
         hidden_size=576,
@@ -80,6 +107,11 @@ SHAPES = {
     ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+MODEL_TYPES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "LlamaForCausalLM": "llama",
+}
 
 
 def main() -> None:
@@ -91,19 +123,20 @@ def main() -> None:
     p.add_argument(
         "--device", default="cpu", help="where the random tensors are made (cuda: fast for 8B+)"
     )
+    p.add_argument("--num-layers", type=int, help="fewer layers than the model has, same shapes")
     args = p.parse_args()
+    if args.num_layers is not None and args.num_layers < 1:
+        p.error(f"--num-layers must be >= 1, got {args.num_layers}")
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    shape = dict(SHAPES[args.shape])
-    arch = shape.pop("arch")
-    model_type = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[arch]
-    config = AutoConfig.for_model(model_type, architectures=[arch], **shape)
-    # The module tree on the meta device gives every tensor's name and shape without
-    # allocating or initialising anything; the values are made one tensor at a time.
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, args.dtype))
+    config, model = meta_model(args.shape, args.num_layers, getattr(torch, args.dtype))
     out = Path(args.out)
+    need = weight_count(model, config) * getattr(torch, args.dtype).itemsize
+    free = shutil.disk_usage(_existing(out)).free
+    if need > free:
+        p.error(
+            f"{args.shape} with {config.num_hidden_layers} layers is {need / 1e9:.1f} GB in "
+            f"{args.dtype}; {_existing(out)} has {free / 1e9:.1f} GB free: pass fewer --num-layers"
+        )
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out)
     params = write_random_weights(model, config, out, args.dtype, torch.device(args.device))
@@ -111,7 +144,39 @@ def main() -> None:
         src = Path(args.tokenizer_from) / name
         if src.is_file() and not (out / name).exists():
             shutil.copy(src, out / name)
-    print(f"{args.shape}: {params / 1e6:.0f}M parameters, {args.dtype}, written to {out}")
+    print(
+        f"{args.shape}, {config.num_hidden_layers} layers: {params / 1e6:.0f}M parameters, "
+        f"{args.dtype}, written to {out}"
+    )
+
+
+def meta_model(shape: str, num_layers: int | None, dtype: torch.dtype):
+    """(the Hugging Face config, the model on the meta device) of a shape: every tensor's
+    name and shape, with nothing allocated or initialised; the values are made one at a time."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(SHAPES[shape])
+    arch = spec.pop("arch")
+    if num_layers is not None:
+        spec["num_hidden_layers"] = num_layers
+    config = AutoConfig.for_model(MODEL_TYPES[arch], architectures=[arch], **spec)
+    with torch.device("meta"):
+        return config, AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def weight_count(model, config) -> int:
+    """Parameters written: a tied LM head once."""
+    return sum(
+        t.numel()
+        for name, t in model.state_dict().items()
+        if not (name == "lm_head.weight" and config.tie_word_embeddings)
+    )
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 def write_random_weights(model, config, out: Path, dtype: str, device: torch.device) -> int:
@@ -146,8 +211,6 @@ def write_random_weights(model, config, out: Path, dtype: str, device: torch.dev
             flush()
     if shard:
         flush()
-    import json
-
     weight_map = {"metadata": {"total_size": total * 2}, "weight_map": index}
     (out / "model.safetensors.index.json").write_text(json.dumps(weight_map, indent=1))
     return total
