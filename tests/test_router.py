@@ -17,6 +17,7 @@ Skipped, with the reason printed, where the router's wheel is not installed.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -64,6 +65,48 @@ def workers(tmp_path_factory) -> Iterator[list[Proc]]:
     finally:
         for p in procs:
             stop(p)
+
+
+def test_what_a_router_asks_of_a_worker(workers):
+    w = workers[0].base
+    info, card = (
+        httpx.get(w + path, timeout=10).json() for path in ("/server_info", "/model_info")
+    )
+    assert info["served_model_name"] == MODEL and info["model_path"] == str(SMOL)
+    assert httpx.get(w + "/get_server_info", timeout=10).json() == info
+    assert card["architectures"] == ["LlamaForCausalLM"] and card["model_type"] == "llama"
+    assert httpx.get(w + "/health_generate", timeout=60).json() == {"status": "ok"}
+    [legacy] = httpx.get(w + "/get_load", timeout=10).json()
+    [entry] = httpx.get(w + "/v1/loads", timeout=10).json()["loads"]
+    assert legacy["num_tokens"] == entry["num_total_tokens"] == 0  # idle, nothing held
+    assert entry["max_total_num_tokens"] == info["max_total_num_tokens"]
+
+    def generate(**body) -> httpx.Response:
+        return httpx.post(w + "/generate", json=body, timeout=120)
+
+    greedy = {"max_new_tokens": 6, "temperature": 0}
+    done = generate(text="The capital of France is", sampling_params=greedy).json()
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 6}
+    completion = httpx.post(w + "/v1/completions", json=body | {"temperature": 0}, timeout=120)
+    assert done["text"] == completion.json()["choices"][0]["text"]
+    assert len(done["output_ids"]) == done["meta_info"]["completion_tokens"] == 6
+    assert done["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+    ids = [[504, 3575, 282], [504, 3575, 282, 4649, 314]]
+    batch = generate(input_ids=ids, sampling_params=greedy).json()
+    assert [b["meta_info"]["prompt_tokens"] for b in batch] == [3, 5]
+    [alone] = generate(input_ids=ids[1:], sampling_params=greedy).json()
+    assert alone["output_ids"] == batch[1]["output_ids"]
+    with httpx.stream(
+        "POST",
+        w + "/generate",
+        json={"input_ids": ids[1], "stream": True, "sampling_params": greedy},
+    ) as r:
+        events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["output_ids"] == alone["output_ids"]
+    for wrong, name in (({"image_data": "x"}, "image_data"), ({"return_logprob": True}, "")):
+        r = generate(text="Hi", **wrong)
+        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
 
 
 def routed(workers: list[Proc], policy: str, *extra: str) -> Proc:
