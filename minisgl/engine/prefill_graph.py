@@ -28,11 +28,13 @@ if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
-# The largest bucket by default. On the H200 breakable graphs made a Qwen3-0.6B prefill 2.5-3x
-# faster up to 256 tokens and 1.35x at 1,024, and changed nothing at 4,096 (0.99-1.06x): a
-# prefill that long keeps the GPU busy without them. Buckets above cost start-up time and
-# memory, and pad a prefill by up to a third of real work, for nothing.
-DEFAULT_MAX_TOKENS = 2048
+# The default buckets' range, from the H200 (docs/benchmarks.md, Qwen3-0.6B's shape). Breakable
+# graphs made a prefill 2.5-3x faster up to 256 tokens and 1.35x at 1,024, and changed nothing
+# at 4,096 (0.99-1.06x): a prefill that long keeps the GPU busy without them, and buckets
+# above only cost start-up time and memory and pad by up to a third of real work. Below 64
+# tokens a prefill is launch-bound (16 and 64 tokens took the same 3.38 ms), so a smaller
+# bucket saves nothing over padding to 64.
+DEFAULT_MIN_TOKENS, DEFAULT_MAX_TOKENS = 64, 2048
 
 
 def prefill_token_buckets(max_tokens: int) -> list[int]:
@@ -140,7 +142,8 @@ def plan_prefill_graphs(engine: Engine, plan: GraphPlan) -> list[PrefillGraphs]:
         largest = config.prefill_graph_max_tokens or min(
             config.max_prefill_length, DEFAULT_MAX_TOKENS
         )
-        tokens = prefill_token_buckets(largest)
+        ladder = prefill_token_buckets(largest)
+        tokens = [t for t in ladder if t >= DEFAULT_MIN_TOKENS] or [largest]
     # A padding request is one sequence: its positions must stay inside the context.
     tokens = sorted({t for t in tokens if t <= plan.max_seq_len})
     shapes = [GraphShape(prefill_slots(t, config.max_running_req), t) for t in tokens]
