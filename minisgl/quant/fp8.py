@@ -67,7 +67,12 @@ def expand(scale: torch.Tensor, block: tuple[int, int], n: int, k: int) -> torch
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """The weights that q and its scales stand for, in fp32."""
-    return q.float() * expand(scale, block, *q.shape)
+    (n, k), (bn, bk) = q.shape, block
+    if bn == 1 and scale.size(1) == 1:  # one scale per row
+        return q.float() * scale
+    if n % bn == 0 and k % bk == 0:  # whole blocks: a broadcast, no expanded copy
+        return (q.float().view(n // bn, bn, k // bk, bk) * scale[:, None, :, None]).view(n, k)
+    return q.float() * expand(scale, block, n, k)
 
 
 def quantize_groups_reference(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
