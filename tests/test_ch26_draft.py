@@ -212,6 +212,11 @@ def test_draft_settings_are_checked(small_qwen3, tmp_path) -> None:
         EngineConfig(target, speculative="draft", draft_model=str(tmp_path / "nothing"))
     with pytest.raises(ValueError, match="needs tp_size 1"):
         EngineConfig(target, speculative="draft", draft_model=str(small_qwen3), tp_size=2)
+    short = derived_model(TINY["llama"], tmp_path / "short", 1)
+    config = json.loads((short / "config.json").read_text())
+    (short / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
+    with pytest.raises(ValueError, match="context of 64 tokens, the model 160"):
+        LLM(target, **KW, speculative="draft", draft_model=str(short))
     args = ["--model", target, "--speculative", "draft", "--draft-model", str(small_qwen3)]
     assert parse_args(args).scheduler.draft_model == str(small_qwen3)
     with pytest.raises(SystemExit):  # the command line says what is wrong, and exits

@@ -55,6 +55,12 @@ class DraftModelDrafter:
 
     def __init__(self, config: EngineConfig, target: Engine) -> None:
         self.rows = min(config.speculative_max_bs, config.max_running_req)
+        context = ModelConfig.from_path(str(config.draft_model)).max_position_embeddings
+        if context < target.max_seq_len:  # it reads every token the model does
+            raise ValueError(
+                f"draft model {config.draft_model} has a context of {context} tokens, the "
+                f"model {target.max_seq_len}: set max_seq_len_override to {context} or less"
+            )
         try:
             self.engine = Engine(draft_config(config, target, self.rows))
         except ValueError as e:
