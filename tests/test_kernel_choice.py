@@ -162,3 +162,22 @@ def test_start_up_logs_its_phases(caplog) -> None:
     line = next(r.getMessage() for r in caplog.records if "engine ready in" in r.getMessage())
     for phase in ("weights", "KV pool", "attention backend", "kernel choice", "decode graphs (2)"):
         assert f"{phase} " in line, line
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_table_is_measured_and_logged_on_the_gpu(caplog) -> None:
+    from minisgl.kernels.gemv import gemv_candidates
+
+    with caplog.at_level(logging.INFO):
+        llm = LLM(str(need(TINY["llama"])), dtype=torch.bfloat16, device="cuda",
+                  max_running_req=4, cuda_graph_max_bs=4)  # fmt: skip
+    layer = llm.engine.model.model.layers[1]
+    table = layer.self_attn.qkv_proj.weight.gemv_table
+    assert table is layer.input_layernorm.weight.gemv_table  # the norm asks the same table
+    assert layer.input_layernorm.weight.gemv_feeds.normed
+    for (key, rows), blocks in table.blocks.items():
+        assert blocks is None or blocks in gemv_candidates(rows, key.n, key.k, key.gated)
+    assert "GEMV or the matmul library" in caplog.text and "kernel choice " in caplog.text
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    assert len(llm.generate([[5, 17, 300]], params, use_tqdm=False)[0]["token_ids"]) == 4
+    llm.shutdown()
