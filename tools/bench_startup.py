@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -100,6 +101,8 @@ def main() -> None:
         for line in log.splitlines():
             if any(key in line for key in SHOWN):
                 print("  " + line.split(" INFO ", 1)[-1])
+        if found := re.search(r"engine ready in ([\d.]+)s", log):
+            print(f"  outside the engine: {ready - float(found[1]):.1f} s")
         sys.stdout.flush()
 
 
