@@ -122,7 +122,7 @@ def fp8_projection(
     if _gemv_takes(rows):
         norm = (x.residual, x.residual_out, x.weight, x.eps) if rows is not x else None
         return _kernels().fp8_gemv(rows, w, scale, block, bias, gated=gated, norm=norm)
-    y = matmul(add_and_norm(x) if isinstance(x, NormedInput) else x, w, scale, block, bias)
+    y = matmul(x.compute() if isinstance(x, NormedInput) else x, w, scale, block, bias)
     return silu_and_mul(y) if gated else y
 
 
@@ -183,16 +183,6 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     if HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return _kernels().quantize_groups(x, group)
     return quantize_groups_reference(x, group)
-
-
-def add_and_norm(x: NormedInput) -> torch.Tensor:
-    """RMSNorm(x + residual), done here because the FP8 GEMV does not take this many rows;
-    x + residual goes to residual_out, as the GEMV would have written it."""
-    total = x.x + x.residual
-    x.residual_out.copy_(total)
-    t = total.float()
-    t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + x.eps)
-    return x.weight * t.to(total.dtype)
 
 
 def _gemv_takes(x: torch.Tensor) -> bool:
