@@ -43,7 +43,7 @@ class EngineConfig:
     # >>> ch26 speculative decoding: "off", "ngram" (drafts by prompt lookup) or "draft"
     speculative: str = "off"
     draft_model: str | None = None  # with "draft": a smaller model folder, the same vocabulary
-    num_draft_tokens: int = 4  # the most drafts a request proposes per step
+    num_draft_tokens: int = 8  # the most drafts a request proposes per step
     speculative_max_bs: int = 32  # larger decode batches do not speculate
     # <<< ch26
 
