@@ -153,13 +153,15 @@ def defer_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[NormedInput, torch.Tensor] | None:
     """(RMSNorm(x + residual) left to the projection after it, the tensor that will hold
-    x + residual) where that projection runs in the GEMV kernel; else None. The norm's
-    weight carries the key of the projection it feeds (`engine/kernel_choice.py`)."""
+    x + residual) where the GEMV kernel could take x; else None. Not where the start-up
+    measurement chose the library for that projection: the norm's weight carries the
+    projection's key (`engine/kernel_choice.py`). A projection the measurement never saw
+    (FP8's, which has a norm-folding kernel of its own) gets the norm deferred."""
     if gemv_kernel(x) is None:
         return None
     if _recording is None and ENV.GEMV.value != "on":
         feeds: GemvKey | None = getattr(weight, "gemv_feeds", None)
-        if feeds is None or gemv_blocks_for(weight, feeds, x.size(0)) is None:
+        if feeds is not None and gemv_blocks_for(weight, feeds, x.size(0)) is None:
             return None
     out = torch.empty_like(residual)
     return NormedInput(x, residual, out, weight, eps), out
