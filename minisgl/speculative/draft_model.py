@@ -55,14 +55,15 @@ class DraftModelDrafter:
 
     def __init__(self, config: EngineConfig, target: Engine) -> None:
         self.rows = min(config.speculative_max_bs, config.max_running_req)
-        context = ModelConfig.from_path(str(config.draft_model)).max_position_embeddings
+        draft = ModelConfig.from_path(str(config.draft_model))
+        context = draft.max_position_embeddings
         if context < target.max_seq_len:  # it reads every token the model does
             raise ValueError(
                 f"draft model {config.draft_model} has a context of {context} tokens, the "
                 f"model {target.max_seq_len}: set max_seq_len_override to {context} or less"
             )
         try:
-            self.engine = Engine(draft_config(config, target, self.rows))
+            self.engine = Engine(draft_config(config, target, draft, self.rows))
         except ValueError as e:
             raise ValueError(f"draft model {config.draft_model}: {e}") from None
         engine = self.engine
@@ -175,7 +176,9 @@ class DraftModelDrafter:
         return out
 
 
-def draft_config(config: EngineConfig, target: Engine, rows: int) -> EngineConfig:
+def draft_config(
+    config: EngineConfig, target: Engine, draft: ModelConfig, rows: int
+) -> EngineConfig:
     """The draft engine: the model's device, dtype, pages and context, `rows` requests, no
     speculation of its own; graphs as the model's settings ask (None: the engine decides)."""
     return EngineConfig(
@@ -183,7 +186,7 @@ def draft_config(config: EngineConfig, target: Engine, rows: int) -> EngineConfi
         dtype=target.dtype,
         device=str(target.device),
         max_running_req=rows,
-        num_page_override=draft_pages(config, target, rows),
+        num_page_override=draft_pages(target, draft, rows),
         max_seq_len_override=target.max_seq_len,
         page_size=target.page_size,
         attention_backend=config.attention_backend,
@@ -194,7 +197,7 @@ def draft_config(config: EngineConfig, target: Engine, rows: int) -> EngineConfi
     )
 
 
-def draft_pages(config: EngineConfig, target: Engine, rows: int) -> int:
+def draft_pages(target: Engine, draft: ModelConfig, rows: int) -> int:
     """As many tokens as the model's own pool holds: the draft pool holds the same text
     (and k - 1 drafts a request), only not shared between requests; no more than `rows`
     requests of the longest length could fill. On a GPU, at most half the memory the
@@ -203,9 +206,8 @@ def draft_pages(config: EngineConfig, target: Engine, rows: int) -> int:
     ps = target.page_size
     pages = min(target.num_pages, rows * cdiv(target.max_seq_len, ps))
     if target.device.type == "cuda":
-        mc = ModelConfig.from_path(str(config.draft_model))
         per_page = MHAKVCache.bytes_per_page(
-            mc.num_layers, ps, mc.num_kv_heads, mc.head_dim, target.dtype
+            draft.num_layers, ps, draft.num_kv_heads, draft.head_dim, target.dtype
         )
         room = torch.cuda.mem_get_info(target.device)[0] // 2 // per_page
         if room < pages:
