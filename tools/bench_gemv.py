@@ -59,9 +59,9 @@ def weights_for(key: GemvKey, dtype: torch.dtype, device: torch.device, min_byte
     return [torch.randn(rows, key.k, device=device, dtype=dtype) * 0.02 for _ in range(count)]
 
 
-def timer(reps: int):
+def timer(reps: int, device: torch.device):
     def time_it(label: str, run) -> float:
-        if torch.cuda.is_available():
+        if device.type == "cuda":
             return time_in_graph(label, run, reps)
         start = time.perf_counter()
         run()
@@ -112,7 +112,7 @@ def main() -> None:
     args = parse(p)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     torch.manual_seed(0)
-    time_it, rows_list = timer(args.reps), [int(r) for r in args.rows.split(",")]
+    time_it, rows_list = timer(args.reps, device), [int(r) for r in args.rows.split(",")]
     sweep_rows = [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name}, {args.dtype}; us per call, GB/s of weights in brackets\n")
