@@ -436,3 +436,12 @@ def test_missing_or_wrong_scales_are_named(folders: dict[str, Path], tmp_path: P
     save_file({**tensors, key: tensors[key][:1]}, folder / "model.safetensors")
     with pytest.raises(ValueError, match=r"qkv_proj.*does not cover"):
         loaded(folder)
+
+
+def test_agreement_tool_reports(folders: dict[str, Path]) -> None:
+    """tools/bench_fp8.py agreement: greedy text with and without FP8, compared."""
+    done = run_tool("bench_fp8.py", "agreement", "--model", str(need(TINY["llama"])),
+                    "--fp8-model", str(folders["llama"]), "--device", "cpu",
+                    "--prompts", "2", "--max-tokens", "4")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "prompts identical to the end" in done.stdout and "tokens equal" in done.stdout
