@@ -187,8 +187,9 @@ def _quantize_kernel(
     cols = group * GROUP + offs
     mask = (offs < GROUP) & (cols < K)
     x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / FP8_MAX
-    q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX, FP8_MAX))
+    # divisions rounded as IEEE (and torch) round them: a GPU's default may be 2 ulp off
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)
+    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
     tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row * stride_sm + group * stride_sg, scale)
 
