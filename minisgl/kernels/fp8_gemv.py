@@ -172,9 +172,11 @@ def _round_to_e4m3(x):
     follows is then exact, so every GPU and Triton's interpreter (whose own fp32-to-FP8
     conversion misrounds where the mantissa carries, 124.7 to 64) store the same bytes."""
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    e = tl.maximum(exponent, -6) - 3  # the step is 2^e; both powers of two are exact
+    step = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    per_step = ((127 - e) << 23).to(tl.float32, bitcast=True)
     magic = 12582912.0  # 1.5 * 2^23: adding and taking it away rounds to an integer, ties even
-    return ((x / step + magic) - magic) * step
+    return ((x * per_step + magic) - magic) * step
 
 
 @triton.jit
