@@ -377,9 +377,6 @@ def test_llm_loads_an_fp8_checkpoint_without_a_flag(folders: dict[str, Path]) ->
     assert in_fp8 and (tokens, False) == generate(folders["llama-dequantised"])
 
 
-@pytest.mark.xfail(
-    strict=True, reason="engine.py does not call quantize_model after load_weights yet"
-)
 def test_llm_quantises_on_load_by_flag() -> None:
     tokens, in_fp8 = generate(need(TINY["llama"]), "fp8")
     assert in_fp8 and [len(t) for t in tokens] == [4, 4]

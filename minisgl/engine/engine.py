@@ -50,6 +50,7 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
+from minisgl.quant.quantize import quantize_model  # [ch28]
 from minisgl.utils import cdiv, to_device, to_host
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class Engine:
         with torch.device(self.device), _default_dtype(self.dtype):
             self.model = create_model(self.model_config)
         load_weights(self.model, config.model_path)
+        quantize_model(self.model, config.quantization)  # FP8 projections, if asked  # [ch28]
         self.model.requires_grad_(False)
         clock.lap("weights")
 
