@@ -72,7 +72,7 @@ def test_what_a_router_asks_of_a_worker(workers):
     info, card = (
         httpx.get(w + path, timeout=10).json() for path in ("/server_info", "/model_info")
     )
-    assert info["served_model_name"] == MODEL and info["model_path"] == str(SMOL)
+    assert info["served_model_name"] == MODEL and info["model_path"] == str(SMOL.resolve())
     assert httpx.get(w + "/get_server_info", timeout=10).json() == info
     assert card["architectures"] == ["LlamaForCausalLM"] and card["model_type"] == "llama"
     assert httpx.get(w + "/health_generate", timeout=60).json() == {"status": "ok"}
