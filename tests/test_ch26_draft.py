@@ -27,7 +27,14 @@ from minisgl.speculative.draft_model import DraftModelDrafter
 
 pytestmark = pytest.mark.usefixtures("serial")  # from conftest.py
 
-KW = dict(dtype=torch.float32, device="cpu", max_running_req=4, max_seq_len_override=160)
+# Every draft is verified: the tests check what verify steps compute, wherever they pay.
+KW = dict(
+    dtype=torch.float32,
+    device="cpu",
+    max_running_req=4,
+    max_seq_len_override=160,
+    speculative_always=True,
+)
 
 
 def derived_model(src: Path, out: Path, layers: int, vocab: int | None = None) -> Path:

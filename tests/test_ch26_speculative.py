@@ -27,12 +27,20 @@ from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
 from minisgl.llm import LLM
 from minisgl.speculative import verify
+from minisgl.speculative.cost import PRIOR, RETRY, StepCosts
 from minisgl.speculative.ngram import NgramDrafter
 from minisgl.speculative.verify import accept_drafts
 
 pytestmark = pytest.mark.usefixtures("serial")  # from conftest.py
 
-KW = dict(dtype=torch.float32, device="cpu", max_running_req=4, max_seq_len_override=160)
+# Every draft is verified: the tests check what verify steps compute, wherever they pay.
+KW = dict(
+    dtype=torch.float32,
+    device="cpu",
+    max_running_req=4,
+    max_seq_len_override=160,
+    speculative_always=True,
+)
 
 
 def generate(path, prompts, params, **kw) -> tuple[list[list[int]], LLM]:
@@ -237,7 +245,7 @@ def serve_speculative(log: Path) -> tuple[subprocess.Popen, str]:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "minisgl", "--model", str(need(SMOL)), "--device", "cpu"]
     cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "256"]
-    cmd += ["--speculative", "ngram", "--num-draft-tokens", "4"]
+    cmd += ["--speculative", "ngram", "--num-draft-tokens", "4", "--speculative-always"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -303,3 +311,37 @@ def test_with_overlap_scheduling_plain_steps_overlap_and_verify_steps_drain(monk
     overlap, spec = llm.scheduler.overlap, llm.scheduler.spec
     llm.shutdown()
     assert overlap and got == want and spec.num_accepted > 0
+
+
+def test_verify_steps_are_taken_where_the_measured_step_times_say_they_pay() -> None:
+    costs = StepCosts()
+    assert costs.ratio(1) == PRIOR  # nothing measured yet
+    assert not costs.pays(1, PRIOR - 1.5) and costs.pays(1, PRIOR - 0.5)
+    t = 0.0
+    for kind, seconds in [("plain", 1.0)] * 3 + [("verify", 3.0)] * 3 + [("plain", 1.0)]:
+        costs.start(kind, 1, now=t)  # the first interval of each kind is a warm-up
+        t += seconds
+    costs.start(None, 1, now=t)  # a prefill: the plain step before it ends, nothing starts
+    costs.start("plain", 1, now=t + 100.0)  # the wait for work is no step's cost
+    assert costs.ratio(1) == pytest.approx(3.0)
+    assert costs.ratio(2) == PRIOR  # another bucket: its own measurements
+    assert not costs.pays(1, 1.5) and costs.pays(1, 2.5)  # 1 + E tokens for 3 steps' time
+    for _ in range(RETRY - 1):
+        assert not costs.pays(1, 0.0)
+    assert costs.pays(1, 0.0)  # declined RETRY times in a row: one is run, to measure again
+
+
+def test_measured_costs_decide_and_the_output_stays_exact() -> None:
+    """Without speculative_always the verify steps run where the costs measured on this
+    machine say they pay; either way the tokens are those of plain decoding."""
+    prompts = tiny_prompts(5)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+    got, llm = generate(
+        TINY["llama"], prompts, params, speculative="ngram", speculative_always=False
+    )
+    costs = llm.scheduler.spec.costs
+    llm.shutdown()
+    assert got == want
+    assert ("plain", 4) in costs.seen  # the plain decode steps of the batch were timed

@@ -45,6 +45,7 @@ class EngineConfig:
     draft_model: str | None = None  # with "draft": a smaller model folder, the same vocabulary
     num_draft_tokens: int = 8  # the most drafts a request proposes per step
     speculative_max_bs: int = 32  # larger decode batches do not speculate
+    speculative_always: bool = False  # verify all drafts, even where steps measured say no
     # <<< ch26
 
     def __post_init__(self) -> None:

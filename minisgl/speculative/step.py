@@ -32,6 +32,7 @@ import torch
 from minisgl.core import Batch, Req
 from minisgl.message.backend import TokenMsg
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.speculative.cost import StepCosts
 from minisgl.speculative.draft_model import DraftModelDrafter
 from minisgl.speculative.ngram import NgramDrafter
 from minisgl.speculative.verify import accept_drafts
@@ -51,6 +52,7 @@ class Speculator:
         self.scheduler = scheduler
         self.enabled = config.speculative != "off"
         self.max_drafts, self.max_bs = config.num_draft_tokens, config.speculative_max_bs
+        self.always = config.speculative_always  # no measuring: every draft is verified
         self.drafter: NgramDrafter | DraftModelDrafter = NgramDrafter()
         if config.speculative == "draft":  # a smaller model's greedy tokens
             self.drafter = DraftModelDrafter(config, scheduler.engine)
@@ -60,6 +62,7 @@ class Speculator:
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
         self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
         self.skipped: set[str] = set()  # why some batches took the plain step, said once
+        self.costs = StepCosts()  # what verify and plain steps cost, measured
 
     def try_step(self, batch: Batch) -> list[TokenMsg] | None:
         """Run `batch` (a decode batch) as a verify step and return its tokens; None when
@@ -68,12 +71,17 @@ class Speculator:
         Drafts are made from a request's tokens on the host, so a verify step needs the
         step before it processed. With overlap scheduling that step is still in flight:
         plain steps keep overlapping, and only where the host's (one step old) tokens
-        already draft something is the pipeline drained for a verify step."""
+        already draft something worth a verify step is the pipeline drained for one."""
+        takes, forwards = self._takes(batch), self.num_forwards
+        out = self._try(batch) if takes else None
+        kind = "verify" if self.num_forwards > forwards else "plain"
+        self.costs.start(kind if takes else None, batch.size)
+        return out
+
+    def _try(self, batch: Batch) -> list[TokenMsg] | None:
         s = self.scheduler
-        if not self._takes(batch):
-            return None
         drafts = self._draft(batch.reqs)
-        if not any(drafts):
+        if not self._pays(batch.reqs, drafts):
             return None
         messages: list[TokenMsg] = []
         if s._in_flight is not None:
@@ -87,9 +95,25 @@ class Speculator:
                 return messages + s._process(s._launch(batch))
             drafts = self._draft(batch.reqs)  # from the fresh tokens
         drafts = self._fit(drafts, batch.reqs)
-        if not any(drafts):  # the fresh tokens draft nothing after all: one plain step
-            return messages + s._process(s._launch(batch))
+        if not self._pays(batch.reqs, drafts):  # not after all: a plain step
+            flight = s._launch(batch)
+            if s.overlap:
+                s._in_flight = flight  # the next step processes it, as any plain step
+                return messages
+            return messages + s._process(flight)
         return messages + self._verify(batch.reqs, drafts)
+
+    def _pays(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
+        """Whether these drafts are worth a verify step: the drafts each request is expected
+        to have accepted (its acceptance rate a: a + a^2 + ... over its drafts), against
+        what a verify step costs at this batch size (cost.py)."""
+        if not any(drafts) or self.always:
+            return any(drafts)
+        expected = 0.0
+        for req, draft in zip(reqs, drafts):
+            rate = self.rate(req.uid)
+            expected += sum(rate**j for j in range(1, len(draft) + 1))
+        return self.costs.pays(len(reqs), expected)
 
     def _takes(self, batch: Batch) -> bool:
         """A batch speculates only where that is exact and pays: decode, at most max_bs
@@ -119,10 +143,15 @@ class Speculator:
         ]
         return self.drafter.propose(reqs, ks)
 
+    def rate(self, uid: int) -> float:
+        """The share of a request's drafts accepted so far, recent verifies weighing most
+        (a fresh request starts at 0.8)."""
+        taken, rejected = self.taken.get(uid, (2.0, 0.5))
+        return taken / (taken + rejected)
+
     def draft_len(self, uid: int) -> int:
         """The most drafts j with a^j >= WORTH, a the request's acceptance rate so far."""
-        taken, rejected = self.taken.get(uid, (2.0, 0.5))  # a fresh request: a = 0.8
-        rate = taken / (taken + rejected)
+        rate = self.rate(uid)
         if rate >= 1.0:
             return self.max_drafts
         return max(1, min(self.max_drafts, int(math.log(WORTH) / math.log(max(rate, 1e-3)))))
