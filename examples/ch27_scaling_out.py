@@ -25,6 +25,7 @@ TOPICS = [
 
 
 def start(policy: str) -> tuple[subprocess.Popen, str]:
+    """`python -m minisgl --dp-size 2`: two replicas and the router, on a free port."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -33,15 +34,20 @@ def start(policy: str) -> tuple[subprocess.Popen, str]:
     cmd += ["--dp-size", "2", "--router-policy", policy, "--log-level", "WARNING"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    while True:
-        assert proc.poll() is None, f"`{' '.join(cmd)}` exited with {proc.returncode}"
-        try:
-            if httpx.get(base + "/readiness", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.TransportError:
-            pass
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc: subprocess.Popen, base: str) -> None:
+    while status_of(base + "/readiness") != 200:
+        assert proc.poll() is None, f"the launcher exited with {proc.returncode}"
         time.sleep(0.5)
+
+
+def status_of(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=2).status_code
+    except httpx.TransportError:
+        return None
 
 
 def converse(base: str, model: str) -> list[str]:
@@ -67,17 +73,22 @@ if importlib.util.find_spec("sglang_router") is None:
     print('SGLang\'s router is not installed: pip install "minisgl[router]"')
     sys.exit(0)
 
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` stops the set
 answers = {}
 for policy in ("round_robin", "cache_aware"):
     proc, base = start(policy)
-    model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
-    answers[policy] = converse(base, model)
-    requests = per_replica(base, "requests")
-    prompt, cached = per_replica(base, "prompt_tokens"), per_replica(base, "cached_tokens")
+    try:
+        wait_ready(proc, base)
+        model = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
+        answers[policy] = converse(base, model)
+        requests = per_replica(base, "requests")
+        prompt, cached = per_replica(base, "prompt_tokens"), per_replica(base, "cached_tokens")
+    finally:  # one command started them all; one signal stops them all
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
     print(f"{policy:>11}: requests per replica {requests}, prompt tokens {sum(prompt)},")
     print(f"{'':>11}  from the prefix cache {sum(cached)} ({sum(cached) / sum(prompt):.0%})")
-    proc.send_signal(signal.SIGTERM)
-    print(f"{'':>11}  SIGTERM: the launcher exited with {proc.wait(60)}")
+    print(f"{'':>11}  SIGTERM: the launcher exited with {code}")
 
 print("the model's name, as the router lists it:", model)
 print("same answers under both policies:", answers["round_robin"] == answers["cache_aware"])
