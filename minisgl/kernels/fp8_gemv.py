@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 MAX_ROWS = 8  # rows of x (tokens) the kernel takes
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn (a constexpr: kernels read it)
 
 
 @triton.jit
