@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.layers.elementwise_ops import elementwise_ops  # [ch20]
 from minisgl.layers.fused import fused_ops  # [ch19]
 from minisgl.layers.triton_ops import defer_norm  # [ch20]
 
@@ -21,6 +22,10 @@ class RMSNorm(nn.Module):
         self.into_gemv = False  # set where a projection's GEMV can do the norm  # [ch20]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # >>> ch20 our Triton kernel, unless FlashInfer is the attention backend
+        if own := elementwise_ops(x):
+            return own.rmsnorm(x, self.weight, self.eps)
+        # <<< ch20
         # >>> ch19
         if fi := fused_ops(x):
             return fi.norm.rmsnorm(x, self.weight, self.eps)
@@ -34,6 +39,9 @@ class RMSNorm(nn.Module):
         # >>> ch20 a few tokens before a projection: the add and the norm go into its kernel
         if self.into_gemv and (deferred := defer_norm(x, residual, self.weight, self.eps)):
             return deferred  # type: ignore[return-value]
+        if own := elementwise_ops(x):
+            own.fused_add_rmsnorm(x, residual, self.weight, self.eps)  # in place
+            return x, residual
         # <<< ch20
         # >>> ch19
         if fi := fused_ops(x):

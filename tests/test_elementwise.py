@@ -1,0 +1,176 @@
+"""Our RMSNorm, add + RMSNorm and SiLU-and-mul kernels (kernels/elementwise.py) equal the
+layers' torch references, and the layers use them unless FlashInfer is the attention backend.
+
+On CPU they run in Triton's interpreter (tests/conftest.py turns it on without a GPU). Its
+casts from fp32 to bf16 truncate where a GPU rounds to nearest, so on CPU bf16 results are
+held to a few units in the last place; fp16 casts round as on a GPU, and there the kernels
+must match the references' rounding step by step (one unit at most, for a sum taken in
+another order).
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import TINY, need
+
+from minisgl import core
+from minisgl.core import SamplingParams
+from minisgl.env import ENV
+from minisgl.kernels import elementwise
+from minisgl.kernels.elementwise import fused_add_rmsnorm, rmsnorm, silu_and_mul
+from minisgl.layers import elementwise_ops as ops
+from minisgl.layers.activation import silu_and_mul_reference
+from minisgl.layers.norm import RMSNorm
+from minisgl.llm import LLM
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_ulps(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got equals want to one unit in the last place of want's dtype, and in fp16 (and bf16
+    on a GPU) nearly everywhere to the bit: a rounding step left out or taken in another
+    order changes a quarter of the values by one unit. bf16 in the interpreter truncates
+    each rounding: three units. fp32 rounds nothing lower, but the sum and rsqrt differ."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    exact = want.dtype == torch.float16 or (want.dtype == torch.bfloat16 and DEV.type == "cuda")
+    most = {torch.float32: 16, torch.float16: 1}.get(want.dtype, 1 if exact else 3)
+    info = torch.finfo(want.dtype)
+    w = want.detach().float()
+    ulp = info.eps * torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(info.tiny))))
+    off = ((got.float() - w).abs() / ulp).max().item()
+    assert off <= most, f"{off} units in the last place apart"
+    same = (got == want).float().mean().item()
+    assert not exact or same >= 0.95, f"only {same:.1%} of the values equal to the bit"
+
+
+def _norm(n: int, dtype: torch.dtype, seed: int) -> RMSNorm:
+    norm = RMSNorm(n, 1e-6).to(DEV)
+    gen = torch.Generator().manual_seed(seed)
+    norm.weight.data = (1 + 0.5 * torch.randn(n, generator=gen)).to(DEV, dtype)
+    return norm
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return (2 * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 64), (3, 70), (5, 1031)])
+def test_rmsnorm_and_add_rmsnorm_equal_the_reference(rows: int, n: int, dtype: torch.dtype):
+    norm = _norm(n, dtype, n)
+    x, r = _randn(rows, n, dtype=dtype, seed=1), _randn(rows, n, dtype=dtype, seed=2)
+    assert_ulps(rmsnorm(x, norm.weight.data, norm.eps), norm.reference(x))
+    # in place, rows read from wider buffers (strided), as FlashInfer's
+    xs, rs = _randn(rows, n + 9, dtype=dtype, seed=3), _randn(rows, n + 5, dtype=dtype, seed=4)
+    xs[:, :n], rs[:, :n] = x, r
+    fused_add_rmsnorm(xs[:, :n], rs[:, :n], norm.weight.data, norm.eps)
+    assert_ulps(rs[:, :n], x + r)
+    assert_ulps(xs[:, :n], norm.reference(rs[:, :n]))  # the norm of the sum it wrote
+    assert (xs[:, n:] == _randn(rows, n + 9, dtype=dtype, seed=3)[:, n:]).all()  # untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_of_heads_read_where_they_lie_in_qkv(dtype: torch.dtype) -> None:
+    """q and k norms of Qwen3 take [tokens, heads, head_dim] views of the wider qkv."""
+    tokens, hq, hkv, d = 3, 4, 2, 24
+    qkv = _randn(tokens, (hq + 2 * hkv) * d, dtype=dtype, seed=5)
+    q = qkv[:, : hq * d].reshape(tokens, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].reshape(tokens, hkv, d)
+    assert q.stride(0) != hq * d  # the views really are strided
+    norm = _norm(d, dtype, 6)
+    for heads in (q, k):
+        got = rmsnorm(heads, norm.weight.data, norm.eps)
+        assert_ulps(got, norm.reference(heads))
+    assert_ulps(
+        rmsnorm(q.transpose(0, 1), norm.weight.data, 1e-6), norm.reference(q.transpose(0, 1))
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("rows", "n"), [(1, 37), (3, 1500), (2, 2 * elementwise.SILU_BLOCK)])
+def test_silu_and_mul_equals_the_reference(rows: int, n: int, dtype: torch.dtype) -> None:
+    gate_up = _randn(rows, 2 * n, dtype=dtype, seed=n)
+    assert_ulps(silu_and_mul(gate_up), silu_and_mul_reference(gate_up))
+    wide = _randn(rows, 2 * n + 3, dtype=dtype, seed=7)  # rows of a wider buffer
+    assert_ulps(silu_and_mul(wide[:, : 2 * n]), silu_and_mul_reference(wide[:, : 2 * n]))
+    batched = gate_up.reshape(1, rows, 2 * n)  # leading dimensions stay
+    assert_ulps(silu_and_mul(batched), silu_and_mul_reference(batched))
+
+
+def test_bad_input_is_refused_with_a_reason() -> None:
+    x = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError, match="even width"):
+        silu_and_mul(torch.zeros(2, 7, device=DEV))
+    with pytest.raises(ValueError, match="does not fit"):
+        rmsnorm(x, torch.ones(6, device=DEV), 1e-6)
+    with pytest.raises(ValueError, match="one 2-D shape"):
+        fused_add_rmsnorm(x, torch.zeros(2, 6, device=DEV), torch.ones(8, device=DEV), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        fused_add_rmsnorm(x.t(), x.t(), torch.ones(2, device=DEV), 1e-6)
+
+
+@pytest.fixture
+def attn_backend():
+    """Sets the global context's attention backend by name, as an engine would."""
+    saved = core._GLOBAL_CTX
+
+    def use(name: str | None) -> None:
+        ctx = None if name is None else SimpleNamespace(attn_backend=SimpleNamespace(name=name))
+        core.set_global_ctx(ctx)  # type: ignore[arg-type]
+
+    yield use
+    core.set_global_ctx(saved)
+
+
+def test_ours_unless_flashinfer_attends(attn_backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    half = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    for name, want in [(None, elementwise), ("triton", elementwise), ("fa", elementwise),
+                       ("torch", elementwise), ("fi", None)]:  # fmt: skip
+        attn_backend(name)
+        assert ops.elementwise_ops(half) is want, name  # type: ignore[arg-type]
+    attn_backend("triton")
+    assert ops.elementwise_ops(torch.zeros(2, device="cpu", dtype=torch.bfloat16)) is None
+    assert ops.elementwise_ops(SimpleNamespace(is_cuda=True, dtype=torch.float32)) is None
+    monkeypatch.setattr(ENV.FUSED_KERNELS, "value", False)
+    assert ops.elementwise_ops(half) is None  # MINISGL_FUSED_KERNELS=0: the torch code
+
+
+def test_layers_run_our_kernels_in_place(attn_backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RMSNorm.forward_add hands back the tensors it overwrote, equal to the reference."""
+    monkeypatch.setattr(ops, "_half_on_gpu", lambda x: True)  # CPU tensors too
+    attn_backend(None)
+    norm, calls = _norm(40, torch.float16, 8), []
+    monkeypatch.setattr(
+        elementwise, "fused_add_rmsnorm", lambda *a: calls.append(1) or fused_add_rmsnorm(*a)
+    )
+    x, r = _randn(3, 40, dtype=torch.float16, seed=9), _randn(3, 40, dtype=torch.float16, seed=10)
+    want = norm.reference(x + r), x + r
+    got = norm.forward_add(x.clone(), r.clone())
+    assert calls == [1]
+    assert_ulps(got[0], want[0])
+    assert_ulps(got[1], want[1])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")
+def test_llm_with_our_kernels_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the whole model (fp32 on CPU): the kernels forced on give the same tokens."""
+    prompts = [[5, 17, 300, 41, 8, 99, 23], [7, 7, 120]]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    out, calls = [], []
+    for ours in (False, True):
+        if ours:
+            monkeypatch.setattr(ops, "_half_on_gpu", lambda x: calls.append(1) or True)
+        llm = LLM(str(need(TINY["qwen3"])), device="cpu", max_running_req=2, cuda_graph_max_bs=0,
+                  num_page_override=64, max_seq_len_override=32)  # fmt: skip
+        out.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+    assert calls and out[0] == out[1]
