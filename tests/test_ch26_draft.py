@@ -34,6 +34,7 @@ KW = dict(
     max_running_req=4,
     max_seq_len_override=160,
     speculative_always=True,
+    speculative_max_bs=4,  # the batches here speculate whole
 )
 
 

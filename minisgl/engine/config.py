@@ -44,7 +44,7 @@ class EngineConfig:
     speculative: str = "off"
     draft_model: str | None = None  # with "draft": a smaller model folder, the same vocabulary
     num_draft_tokens: int = 8  # the most drafts a request proposes per step
-    speculative_max_bs: int = 32  # larger decode batches do not speculate
+    speculative_max_bs: int = 1  # larger decode batches do not speculate (measured: docs/ch26)
     speculative_always: bool = False  # verify all drafts, even where steps measured say no
     # <<< ch26
 

@@ -52,6 +52,9 @@ def add_speculative_options(p: Any) -> None:
     p.config_option("num_draft_tokens", type=int, help="the most drafts per request and step")
     p.config_option("draft_model", help="with --speculative draft: a smaller model folder")
     p.config_option(
+        "speculative_max_bs", type=int, help="larger decode batches take plain steps (default 1)"
+    )
+    p.config_option(
         "speculative_always",
         action="store_true",
         help="verify every draft, even where the measured step times say it does not pay",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -72,10 +73,10 @@ class Speculator:
         step before it processed. With overlap scheduling that step is still in flight:
         plain steps keep overlapping, and only where the host's (one step old) tokens
         already draft something worth a verify step is the pipeline drained for one."""
-        takes, forwards = self._takes(batch), self.num_forwards
+        began, takes, forwards = time.perf_counter(), self._takes(batch), self.num_forwards
         out = self._try(batch) if takes else None
         kind = "verify" if self.num_forwards > forwards else "plain"
-        self.costs.start(kind if takes else None, batch.size)
+        self.costs.start(kind if takes else None, batch.size, now=began)  # from its beginning
         return out
 
     def _try(self, batch: Batch) -> list[TokenMsg] | None:
