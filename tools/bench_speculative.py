@@ -121,6 +121,7 @@ def main() -> None:
         kw = engine_kwargs(args, max_running_req=max(*batches, 8))
         if mode == "off":
             kw.pop("speculative", None)
+            kw.pop("draft_model", None)
         else:
             kw["speculative"] = mode
             if args.speculative_max_bs is not None:

@@ -48,8 +48,9 @@ def add_engine_args(
             "--tp-size", type=int, default=tp_size, help="ranks (GPUs) the model is cut over"
         )
     if attn is not None:  # a tool that builds the whole engine
-        p.add_argument("--speculative", default="off", help="off, or ngram: draft and verify")
+        p.add_argument("--speculative", default="off", help="off, ngram or draft: draft and verify")
         p.add_argument("--num-draft-tokens", type=int, default=8, help="with --speculative")
+        p.add_argument("--draft-model", help="with --speculative draft: a smaller model folder")
         p.add_argument("--quantization", choices=["fp8"], help="fp8: FP8 weights")  # [ch28]
 
 
@@ -74,6 +75,8 @@ def engine_kwargs(args: argparse.Namespace, **override: Any) -> dict[str, Any]:
         kw["tp_size"] = args.tp_size
     if getattr(args, "speculative", "off") != "off":
         kw["speculative"], kw["num_draft_tokens"] = args.speculative, args.num_draft_tokens
+        if args.speculative == "draft":
+            kw["draft_model"] = args.draft_model
     if getattr(args, "quantization", None):  # [ch28]
         kw["quantization"] = args.quantization  # [ch28]
     return {**kw, **override}
