@@ -31,7 +31,7 @@ class EngineConfig:
     # <<< ch18
     # >>> ch23 prefill graphs: "off", "breakable", "full"; None: breakable on CUDA, off on CPU
     prefill_graph: str | None = None
-    prefill_graph_max_tokens: int | None = None  # largest token bucket; None: max_prefill_length
+    prefill_graph_max_tokens: int | None = None  # top bucket; None: min(max_prefill_length, 2048)
     prefill_graph_tokens: list[int] | None = None  # an explicit list of token buckets wins
     # <<< ch23
     # >>> ch21 tensor parallelism
