@@ -89,12 +89,11 @@ def generate(path, prompts, params, **kw) -> tuple[list[list[int]], LLM]:
 
 
 def finish(llm: LLM):
-    """Shut down after checking that the draft engine gives back every page and row once
-    nothing runs (what its next proposal does); the speculator, for its counters."""
+    """Shut down after checking that the draft engine gave back every page and row as its
+    requests finished; the speculator, for its counters."""
     spec = llm.scheduler.spec
     drafter = spec.drafter
     drafter.check_integrity()
-    drafter.retain(set(llm.scheduler.reqs))
     assert drafter.cache.allocator.num_free == drafter.engine.num_pages
     assert drafter.table.available == drafter.rows and not drafter.held
     llm.shutdown()

@@ -240,6 +240,7 @@ class Scheduler:
             self.decode.remove(req)
         self.cache.cache_req(req, finished=True)
         self.table.free(req.table_idx)
+        self.spec.release(req.uid)  # a draft model's pages for it go back too  # [ch26]
 
     # ---- checks ---------------------------------------------------------------------------
 
@@ -251,4 +252,5 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._drain()
+        self.spec.shutdown()  # [ch26]
         self.engine.shutdown()

@@ -116,6 +116,15 @@ class Speculator:
             expected += sum(rate**j for j in range(1, len(draft) + 1))
         return self.costs.pays(len(reqs), expected)
 
+    def release(self, uid: int) -> None:
+        """A request finished or was preempted: forget it, and a drafter's state for it."""
+        self.taken.pop(uid, None)
+        self.drafter.retain(set(self.scheduler.reqs) - {uid})
+
+    def shutdown(self) -> None:
+        if isinstance(self.drafter, DraftModelDrafter):  # its graphs go before the engines
+            self.drafter.engine.graph_runner.destroy_cuda_graphs()
+
     def _takes(self, batch: Batch) -> bool:
         """A batch speculates only where that is exact and pays: decode, at most max_bs
         requests, none with a grammar or log-probabilities (they take the plain step)."""
