@@ -118,8 +118,9 @@ class Speculator:
 
     def release(self, uid: int) -> None:
         """A request finished or was preempted: forget it, and a drafter's state for it."""
-        self.taken.pop(uid, None)
-        self.drafter.retain(set(self.scheduler.reqs) - {uid})
+        if self.enabled:
+            self.taken.pop(uid, None)
+            self.drafter.retain(set(self.scheduler.reqs) - {uid})
 
     def shutdown(self) -> None:
         if isinstance(self.drafter, DraftModelDrafter):  # its graphs go before the engines
