@@ -70,6 +70,13 @@ def test_tp_llm_in_a_script_without_the_main_guard_fails_naming_the_guard(tmp_pa
 
 def test_a_rank_killed_mid_generate_makes_generate_raise(tmp_path):
     out, _ = run_script(tmp_path, KILL_A_RANK)
+    if out.returncode == -signal.SIGABRT and "terminate called" in out.stderr:
+        # gloo's own threads, left with a pair whose peer was SIGKILLed, can abort the
+        # interpreter (std::terminate) on a loaded machine: seen once in about eight runs on
+        # the 2-core CI machine. That is torch's teardown, not what this test is about: once
+        # more, and a second abort fails.
+        print("gloo aborted the interpreter; running the script again:", out.stderr[-300:])
+        out, _ = run_script(tmp_path, KILL_A_RANK)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "raised" in out.stdout, out.stdout + out.stderr[-2000:]
     seconds = float(out.stdout.split("raised ")[1].split(" s")[0])
