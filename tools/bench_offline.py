@@ -36,7 +36,13 @@ def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -
 
     llm = LLM(**engine_kwargs(args), max_running_req=args.max_running_req)
     params = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for _, n in reqs]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    # Warm-up on other prompts of the same shape: a full prefill chunk's kernels compile (and
+    # the matmul library picks its algorithms) on first use, seconds that are not throughput.
+    from minisgl.models.config import ModelConfig
+
+    vocab = ModelConfig.from_path(args.model).vocab_size
+    warm = workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), vocab)
+    llm.generate([ids for ids, _ in warm[:16]], SamplingParams(max_tokens=2), use_tqdm=False)
     sync(args.device)
     start = time.perf_counter()
     outputs = llm.generate([ids for ids, _ in reqs], params)
