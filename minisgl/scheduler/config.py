@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.engine.config import EngineConfig
+from minisgl.scheduler.kv_events import KVEventsConfig  # [ch27]
 
 
 @dataclass
 class SchedulerConfig(EngineConfig):
     cache_type: str = "radix"  # "radix" shares prompt prefixes; "naive" caches nothing
+    kv_events: KVEventsConfig | None = None  # publish what the cache stores and evicts  # [ch27]
 
     def __post_init__(self) -> None:
         super().__post_init__()

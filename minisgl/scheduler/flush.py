@@ -5,7 +5,8 @@ swapping weights. Only an idle scheduler flushes: a running request holds (locks
 cached prefix it reads, and pages it shares must not go back to the free list under it.
 The API server refuses a flush while it has requests open, so a skipped flush here is a
 request that slipped in between; the count of flushes done goes out in SchedulerStats,
-which is how the API server learns that its flush happened.
+which is how the API server learns that its flush happened. With KV-cache events on, a
+flush publishes one AllBlocksCleared rather than a removal for every block.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class CacheFlusher:
         cache = self.scheduler.cache
         slots = cache.cache.evict(cache.cache.evictable_tokens)
         cache.allocator.free((slots[:: cache.page_size] // cache.page_size).tolist())
+        if self.scheduler.kv_events is not None:
+            self.scheduler.kv_events.cleared()
         self.done += 1
         logger.info("prefix cache flushed: %d KV pages free", cache.allocator.num_free)
 

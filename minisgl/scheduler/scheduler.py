@@ -29,6 +29,7 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
+from minisgl.scheduler.kv_events import publishes_kv_events, start_kv_events  # [ch27]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
@@ -65,6 +66,7 @@ class Scheduler:
         self.grammars = Grammars(config.model_path, limits.vocab_size, eos_token_ids)  # [ch25]
         self.logprobs = LogprobCollector()  # [ch25]
         self.spec = Speculator(self, config)  # [ch26]
+        self.kv_events = start_kv_events(config, self.cache, engine.device)  # [ch27]
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -93,6 +95,7 @@ class Scheduler:
         self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len, len(ids)))
         self.grammars.add(msg.uid, msg.sampling_params)  # [ch25]
 
+    @publishes_kv_events  # a finished request's pages are cached  # [ch27]
     def abort(self, msg: AbortMsg) -> None:
         for pending in list(self.prefill.pending):
             if pending.uid == msg.uid:
@@ -108,6 +111,7 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
 
+    @publishes_kv_events  # one message per step  # [ch27]
     def step(self) -> list[TokenMsg]:
         batch = self._schedule()
         messages, self._drained = self._drained, []
@@ -253,4 +257,6 @@ class Scheduler:
     def shutdown(self) -> None:
         self._drain()
         self.spec.shutdown()  # [ch26]
+        if self.kv_events is not None:  # [ch27]
+            self.kv_events.close()  # [ch27]
         self.engine.shutdown()

@@ -15,6 +15,7 @@ import torch
 
 from minisgl.attention.registry import backend_names
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.kv_events import add_kv_events_options, kv_events_config  # [ch27]
 from minisgl.server.dp_args import Replicas, add_dp_options, check_dp_options  # [ch27]
 from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
 from minisgl.speculative.config import add_speculative_options  # [ch26]
@@ -74,6 +75,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("device", choices=["auto", "cpu", "cuda"])
     add_tp_options(p)  # [ch21]
     add_dp_options(p)  # [ch27]
+    add_kv_events_options(p)  # [ch27]
     p.config_option("max_running_req", "--max-running-requests", type=int)
     p.config_option("max_seq_len_override", type=int)
     p.config_option(
@@ -123,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         config = SchedulerConfig(model_path=a.model, dtype=_DTYPES[a.dtype], **p.config(a))
     except ValueError as e:
         p.error(str(e))
+    config.kv_events = kv_events_config(p, a)  # [ch27]
     name = a.served_model_name or Path(a.model).resolve().name
     return ServerArgs(
         config,

@@ -3,6 +3,9 @@
 The router is an optional dependency (`pip install "minisgl[router]"`, the `sglang-router`
 package); a missing one is a usage error found before any model loads. What a replica set
 on one machine cannot do (a shell, ranks on several machines) is refused here as well.
+
+Each replica is told its `--dp-rank` by the launcher: its KV-cache events, if asked for,
+go out on the endpoint's port plus that rank and carry it (scheduler/kv_events.py).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def add_dp_options(p: argparse.ArgumentParser) -> None:
         default="cache_aware",
         help="how the router picks a replica (default: cache_aware, the longest cached prefix)",
     )
+    p.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by --dp-size
 
 
 def check_dp_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> Replicas | None:

@@ -1,7 +1,8 @@
 """`--dp-size N`: N replicas of the server on one machine, behind SGLang's router, as one service.
 
 Each replica is a plain `python -m minisgl` with the same flags, on a free local port,
-pinned to its own GPUs by CUDA_VISIBLE_DEVICES (on CPU, N processes share the cores). In
+pinned to its own GPUs by CUDA_VISIBLE_DEVICES (on CPU, N processes share the cores), and
+told its rank (KV-cache events go out on a port of its own and carry it). In
 front of them, on the user's --host and --port, runs SGLang's router (the Rust binary of
 the `sglang-router` package), which picks a replica for each request by --router-policy.
 There is no router of our own: the field's is what production runs, and it is better.
@@ -68,7 +69,7 @@ class ReplicaSet:
     def run(self) -> int:
         urls = []
         for i, (port, gpus) in enumerate(zip(free_ports(self.size), gpu_sets(self.args))):
-            self.spawn(f"replica {i}", self.replica_command(port), gpus)
+            self.spawn(f"replica {i}", self.replica_command(port, i), gpus)
             urls.append(f"http://127.0.0.1:{port}")
             where = f" on GPU {gpus}" if gpus is not None else ""
             logger.info("replica %d: %s%s", i, urls[-1], where)
@@ -94,9 +95,10 @@ class ReplicaSet:
             time.sleep(POLL_S)
         return self.drain()
 
-    def replica_command(self, port: int) -> list[str]:
+    def replica_command(self, port: int, rank: int) -> list[str]:
         # argparse keeps a flag's last value: the same command, on a port of its own, alone.
         local = ["--host", "127.0.0.1", "--port", str(port), "--dp-size", "1"]
+        local += ["--dp-rank", str(rank)]
         return [sys.executable, "-m", "minisgl", *self.argv, *local]
 
     def router_command(self, urls: list[str], metrics_port: int) -> list[str]:
