@@ -67,12 +67,15 @@ def server(model: Path, log_dir: Path, *extra: str) -> Proc:
     return spawn(cmd, log_dir / f"server-{port}.log", port)
 
 
-def router(urls: list[str], policy: str, log_dir: Path, *extra: str) -> Proc:
+def router(
+    urls: list[str], policy: str, log_dir: Path, *extra: str, module: str = "sglang_router"
+) -> Proc:
+    """SGLang's router, or (module="vllm_router") vLLM's fork of it: the same flags."""
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *urls]
+    cmd = [sys.executable, "-m", f"{module}.launch_router", "--worker-urls", *urls]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
     cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra]
-    return spawn(cmd, log_dir / f"router-{policy}-{port}.log", port)
+    return spawn(cmd, log_dir / f"{module}-{policy}-{port}.log", port)
 
 
 def wait_ready(p: Proc, path: str = "/health", timeout: float = START_TIMEOUT) -> None:

@@ -17,6 +17,7 @@ Skipped, with the reason printed, where the router's wheel is not installed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -109,8 +110,8 @@ def test_what_a_router_asks_of_a_worker(workers):
         assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
 
 
-def routed(workers: list[Proc], policy: str, *extra: str) -> Proc:
-    r = router([w.base for w in workers], policy, workers[0].log.parent, *extra)
+def routed(workers: list[Proc], policy: str, *extra: str, module: str = "sglang_router") -> Proc:
+    r = router([w.base for w in workers], policy, workers[0].log.parent, *extra, module=module)
     wait_ready(r, "/readiness")
     return r
 
@@ -161,6 +162,40 @@ def test_cache_aware_routing_reuses_more_prefix_than_round_robin(workers):
         missing = {path for _, path, status in asked if status == "404"}
         assert not missing, f"the router asked {w.base} for {missing}"
         assert {"/server_info", "/model_info", "/flush_cache"} <= {p for _, p, _ in asked}
+
+
+def test_vllm_router_in_front_of_the_same_workers(workers):
+    """vLLM's fork of the router (vllm-router) registers the workers, splits chat, completions
+    and streams between them with round_robin, and asks nothing that gets a 404. (Its
+    power_of_two reads /get_load as {"load": N}, an older shape than the list SGLang's router
+    needs now; served the list, it sees every worker at 0 and picks at random.)"""
+    if importlib.util.find_spec("vllm_router") is None:
+        pytest.skip("vllm-router is not installed: pip install vllm-router==0.1.17")
+    before = [counters(w)["minisgl:requests_total"] for w in workers]
+    r = routed(workers, "round_robin", module="vllm_router")
+    try:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": TOPICS[0]}]}
+        chat |= {"max_tokens": ANSWER, "temperature": 0}
+        answers = []
+        for _ in range(2):
+            reply = httpx.post(r.base + "/v1/chat/completions", json=chat, timeout=120)
+            assert reply.status_code == 200, reply.text
+            answers.append(reply.json()["choices"][0]["message"]["content"])
+        direct = httpx.post(workers[0].base + "/v1/chat/completions", json=chat, timeout=120)
+        assert answers == [direct.json()["choices"][0]["message"]["content"]] * 2
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+        with httpx.stream("POST", r.base + "/v1/completions", json=body, timeout=60) as s:
+            lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 2, lines
+        models = httpx.get(r.base + "/v1/models", timeout=10).json()["data"]
+        assert [m["id"] for m in models] == [MODEL]
+    finally:
+        stop(r)
+    after = [counters(w)["minisgl:requests_total"] for w in workers]
+    assert [b - a for a, b in zip(before, after)] in ([2, 2], [3, 1]), (before, after)
+    for w in workers:  # every path it asked for exists
+        missing = {p for _, p, status in ACCESS.findall(w.log.read_text()) if status == "404"}
+        assert not missing, f"vllm-router asked {w.base} for {missing}"
 
 
 def stream(base: str, body: dict, out: dict, key: str, stop_when: threading.Event) -> None:
