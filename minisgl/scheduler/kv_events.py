@@ -128,8 +128,10 @@ class KVEventPublisher:
             sock.bind(endpoint) if verb == "bind" else sock.connect(endpoint)
         except zmq.ZMQError as e:
             sock.close()
-            busy = " (in use: pick a free port)" if e.errno == zmq.EADDRINUSE else ""
-            raise ValueError(f"{flag}: cannot {verb} {endpoint}: {e.strerror}{busy}") from None
+            why = zmq.strerror(e.errno)  # without pyzmq's repetition of the address
+            if e.errno == zmq.EADDRINUSE:
+                why += "; pick a free port, or stop what holds it"
+            raise ValueError(f"{flag}: cannot {verb} {endpoint}: {why}") from None
         return sock
 
     # ---- events, as the radix cache changes -----------------------------------------------
