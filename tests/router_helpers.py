@@ -39,6 +39,8 @@ class Proc:
     proc: subprocess.Popen
     base: str
     log: Path
+    metrics: str = ""  # a router's Prometheus page
+    events: str = ""  # a worker's KV-event endpoint, where it publishes them
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -74,8 +76,11 @@ def router(
     port = free_port()
     cmd = [sys.executable, "-m", f"{module}.launch_router", "--worker-urls", *urls]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *extra]
-    return spawn(cmd, log_dir / f"{module}-{policy}-{port}.log", port)
+    metrics = free_port()
+    cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics), *extra]
+    p = spawn(cmd, log_dir / f"{module}-{policy}-{port}.log", port)
+    p.metrics = f"http://127.0.0.1:{metrics}/metrics"
+    return p
 
 
 def wait_ready(p: Proc, path: str = "/health", timeout: float = START_TIMEOUT) -> None:

@@ -82,8 +82,31 @@ def receive(sub: zmq.Socket, quiet_ms: int = 300) -> list[tuple[bytes, int, list
     return out
 
 
+# vLLM's events, field by field: a map names them, the array layout lists them in this order
+FIELDS = {
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
+
+
 def events(messages: list[tuple[bytes, int, list]]) -> list[list]:
-    return [event for _, _, (_, batch, _) in messages for event in batch]
+    """Every event, written as the array layout lists it (a map is read by its names)."""
+    out = []
+    for _, _, (_, batch, _) in messages:
+        for event in batch:
+            if isinstance(event, dict):
+                assert set(event) == {"type", *FIELDS[event["type"]]}, event
+                event = [event["type"], *(event[k] for k in FIELDS[event["type"]])]
+            out.append(event)
+    return out
+
+
+def layouts(messages: list[tuple[bytes, int, list]]) -> set[type]:
+    return {type(event) for _, _, (_, batch, _) in messages for event in batch}
 
 
 def cached_hashes(llm: LLM) -> set[int]:
@@ -110,7 +133,7 @@ def test_off_by_default_and_checked():
 def test_a_shared_prefix_stores_only_new_blocks_chained_by_parent(tmp_path):
     ctx = zmq.Context()
     endpoint = f"ipc://{tmp_path}/events"
-    llm = make_llm(kv_events=KVEventsConfig(endpoint, topic="kv@pod@tiny"))
+    llm = make_llm(kv_events=KVEventsConfig(endpoint, topic="kv@pod@tiny", layout="array"))
     try:
         sub = subscribe(ctx, endpoint)
         started = time.time()
@@ -122,6 +145,7 @@ def test_a_shared_prefix_stores_only_new_blocks_chained_by_parent(tmp_path):
         llm.shutdown()
         ctx.destroy(linger=0)
     messages = first + second
+    assert layouts(messages) == {list}  # the positional layout, as asked
     assert [seq for _, seq, _ in messages] == list(range(len(messages)))
     for topic, _, payload in messages:
         assert topic == b"kv@pod@tiny" and len(payload) == 3
@@ -263,6 +287,7 @@ def test_the_server_publishes_with_the_flag(tmp_path):
     finally:
         ctx.destroy(linger=0)
         stop(p)
+    assert layouts(stored + cleared) == {dict}  # maps, the default
     assert events(stored) == [["BlockStored", ref_hashes(A), None, A, PS, None, "CPU", None]]
     assert [seq for _, seq, _ in stored + cleared] == [0, 1]
     assert events(cleared) == [["AllBlocksCleared"]]

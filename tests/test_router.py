@@ -33,6 +33,7 @@ from router_helpers import (
     Proc,
     child_titled,
     counters,
+    free_port,
     router,
     server,
     skip_without_router,
@@ -58,7 +59,12 @@ ACCESS = re.compile(r'"(GET|POST) (\S+) HTTP/1.1" (\d+)')
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory) -> Iterator[list[Proc]]:
     log_dir = tmp_path_factory.mktemp("router")
-    procs = [server(need(SMOL), log_dir, "--max-seq-len-override", "512") for _ in range(2)]
+    procs = []
+    for _ in range(2):  # each publishes its KV-cache events, for vllm-router's kv_aware
+        port = free_port()
+        args = ("--max-seq-len-override", "512", "--kv-events-endpoint", f"tcp://*:{port}")
+        procs.append(server(need(SMOL), log_dir, *args))
+        procs[-1].events = f"tcp://127.0.0.1:{port}"
     try:
         for p in procs:
             wait_ready(p)
@@ -196,6 +202,60 @@ def test_vllm_router_in_front_of_the_same_workers(workers):
     for w in workers:  # every path it asked for exists
         missing = {p for _, p, status in ACCESS.findall(w.log.read_text()) if status == "404"}
         assert not missing, f"vllm-router asked {w.base} for {missing}"
+
+
+def test_vllm_router_kv_aware_places_by_our_kv_events(workers):
+    """vllm-router's kv_aware policy indexes the blocks each worker publishes (our KV-cache
+    events), asks a worker for each request's token ids (/tokenize), and sends a request to
+    the worker holding its longest prefix: after the first, every turn of the conversations
+    is a hit in its index. Events it could not decode, or no /tokenize, would leave none."""
+    if importlib.util.find_spec("vllm_router") is None:
+        pytest.skip("vllm-router is not installed: pip install vllm-router==0.1.17")
+    for w in workers:  # nothing cached, nothing indexed: every hit below is this test's
+        assert httpx.post(w.base + "/flush_cache", timeout=30).status_code == 200
+    sources = [a for w in workers for a in ("--kv-event-source", f"{w.base}={w.events}")]
+    block = ("--kv-event-block-size", "1", "--kv-event-model", MODEL)  # a block is our page
+    r = routed(workers, "kv_aware", *sources, *block, module="vllm_router")
+    try:
+        converse(r.base)
+        metrics = httpx.get(r.metrics, timeout=10).text
+    finally:
+        stop(r)
+    lookups = dict(re.findall(r'kv_placement_lookups_total\{result="(\w+)"\} (\d+)', metrics))
+    print(f"vllm-router's index lookups: {lookups}")
+    assert int(lookups.get("hit", 0)) >= len(TOPICS) * (TURNS - 1), metrics
+    asked = {(p, s) for w in workers for _, p, s in ACCESS.findall(w.log.read_text())}
+    assert ("/tokenize", "200") in asked
+    # it asks vLLM's newer /v1/chat/completions/render first, and takes /tokenize after a 404
+    missing = {p for p, s in asked if s == "404"} - {"/v1/chat/completions/render"}
+    assert not missing, f"vllm-router asked for {missing}"
+
+
+def test_tokenize_gives_the_ids_a_request_is_served_with(workers):
+    w = workers[0].base
+    messages = [{"role": "user", "content": TOPICS[1]}]
+
+    def post(path: str, **body) -> httpx.Response:
+        return httpx.post(w + path, json=body, timeout=120)
+
+    chat = post("/tokenize", model=MODEL, messages=messages).json()
+    served = post("/v1/chat/completions", model=MODEL, messages=messages, max_tokens=1).json()
+    assert chat["count"] == len(chat["tokens"]) == served["usage"]["prompt_tokens"]
+    assert chat["max_model_len"] == 512 and chat["token_strs"] is None
+    text = "The capital of France is"
+    plain = post("/tokenize", prompt=text, return_token_strs=True).json()
+    done = post("/v1/completions", model=MODEL, prompt=text, max_tokens=1).json()
+    assert plain["count"] == done["usage"]["prompt_tokens"] and len(plain["token_strs"]) > 1
+    assert post("/detokenize", tokens=plain["tokens"]).json()["prompt"].endswith(text)
+    assert chat["tokens"][: plain["count"]] != plain["tokens"]  # the template came first
+    cases = [
+        ("/tokenize", {"prompt": "a", "messages": messages}, 400, "either"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "vocabulary"),
+    ]
+    for path, body, status, says in cases:
+        r = post(path, **body)
+        assert r.status_code == status and says in r.json()["error"]["message"], r.text
 
 
 def stream(base: str, body: dict, out: dict, key: str, stop_when: threading.Event) -> None:

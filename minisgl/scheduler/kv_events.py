@@ -7,10 +7,13 @@ consumers read us unchanged:
 
 - A ZMQ PUB socket sends one message per scheduler step that changed the cache: three
   frames, the topic, a sequence number (8 bytes, big-endian, one more per message) and a
-  msgpack payload, `[timestamp, [event, ...], data_parallel_rank]`. Each event is an array
-  whose first item names it:
-  `["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
-  lora_name]`, `["BlockRemoved", block_hashes, medium]`, `["AllBlocksCleared"]`.
+  msgpack payload, `[timestamp, [event, ...], data_parallel_rank]`. Each event is a map
+  named by its "type", `{"type": "BlockStored", "block_hashes": ..., "parent_block_hash",
+  "token_ids", "block_size", "lora_id", "medium", "lora_name"}`, `{"type": "BlockRemoved",
+  "block_hashes", "medium"}`, `{"type": "AllBlocksCleared"}`: the layout vLLM publishes now,
+  and the only one vllm-router reads. `--kv-events-layout array` sends the layout before it,
+  arrays in that order with the name first (`["BlockRemoved", block_hashes, medium]`), which
+  older consumers read; llm-d's reads both.
 - A ROUTER socket, when asked for, replays: a client that missed messages sends the first
   sequence number it wants and gets each buffered message from there on, as frames
   `[topic, seq, payload]`, then the end marker `[b"", -1, b""]`.
@@ -48,6 +51,16 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+LAYOUTS = ("map", "array")
+# The fields of each event after its name, in the order of the array layout.
+FIELDS = {
+    "BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "lora_name",
+    ),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}  # fmt: skip
 REPLAY_POLL_MS = 100  # how soon the replay thread notices close()
 
 
@@ -58,11 +71,14 @@ class KVEventsConfig:
     topic: str = ""  # the first frame of every message; llm-d reads kv@<pod>@<model> from it
     dp_rank: int = 0  # replica i of --dp-size: ports + i, and i in every batch
     buffer_steps: int = 10_000  # messages kept for replay
+    layout: str = "map"  # events as maps keyed by field name (vLLM now), or "array" (before)
     hwm: int = 100_000  # messages queued for a slow subscriber before ZMQ drops them
 
     def __post_init__(self) -> None:
         if self.dp_rank < 0 or self.buffer_steps < 1 or self.hwm < 0:
             raise ValueError("KV events: dp_rank and hwm must be >= 0, buffer_steps >= 1")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"KV events: layout must be one of {', '.join(LAYOUTS)}")
         for endpoint in (self.endpoint, self.replay_endpoint):
             if endpoint is not None:
                 replica_endpoint(endpoint, self.dp_rank)  # raises on a malformed one
@@ -176,6 +192,8 @@ class KVEventPublisher:
         if not self.pending:
             return
         events, self.pending = self.pending, []
+        if self.config.layout == "map":  # {"type": name, field: value, ...}
+            events = [{"type": e[0], **dict(zip(FIELDS[e[0]], e[1:]))} for e in events]
         payload = msgpack.packb([time.time(), events, self.config.dp_rank])
         with self.lock:
             seq, self.seq = self.seq, self.seq + 1
@@ -236,18 +254,31 @@ def add_kv_events_options(p: argparse.ArgumentParser) -> None:
         help="a ZMQ ROUTER endpoint that replays missed event messages, e.g. tcp://*:5558",
     )
     p.add_argument("--kv-events-topic", default="", help="the topic frame of every message")
+    p.add_argument(
+        "--kv-events-layout",
+        choices=LAYOUTS,
+        default="map",
+        help="map: each event a map of its fields, as vLLM publishes now and vllm-router reads;"
+        " array: the positional layout before it (default: map)",
+    )
 
 
 def kv_events_config(p: argparse.ArgumentParser, a: argparse.Namespace) -> KVEventsConfig | None:
     if a.kv_events_endpoint is None:
         if a.kv_events_replay_endpoint is not None or a.kv_events_topic:
             p.error("--kv-events-replay-endpoint and --kv-events-topic need --kv-events-endpoint")
+        if a.kv_events_layout != "map":
+            p.error("--kv-events-layout needs --kv-events-endpoint")
         return None
     if a.cache == "naive":
         p.error("--kv-events-endpoint publishes what the radix cache holds; --cache naive has none")
     try:
         return KVEventsConfig(
-            a.kv_events_endpoint, a.kv_events_replay_endpoint, a.kv_events_topic, a.dp_rank
+            a.kv_events_endpoint,
+            a.kv_events_replay_endpoint,
+            a.kv_events_topic,
+            a.dp_rank,
+            layout=a.kv_events_layout,
         )
     except ValueError as e:
         p.error(str(e))

@@ -51,6 +51,7 @@ from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.generate_api import add_generate_route
 from minisgl.server.protocol import APIError
+from minisgl.server.tokenize_api import add_tokenize_routes
 
 FLUSH_TIMEOUT_S = 5.0  # for the scheduler's report that it flushed
 PROBE_TIMEOUT_S = 30.0  # for /health_generate's one token, on a busy server
@@ -173,6 +174,7 @@ def add_worker_routes(
     to_scheduler = AsyncWriter(zmq.asyncio.Context.instance(), address(ipc_dir, "scheduler"))
     names = (args.served_model_name, args.scheduler.model_path)
     add_generate_route(app, frontend, limits.vocab_size, names)
+    add_tokenize_routes(app, args.scheduler.model_path, names, limits.max_seq_len)
 
     @app.get("/server_info")
     @app.get("/get_server_info")
