@@ -206,7 +206,7 @@ def test_vllm_router_in_front_of_the_same_workers(workers):
 
 def test_vllm_router_kv_aware_places_by_our_kv_events(workers):
     """vllm-router's kv_aware policy indexes the blocks each worker publishes (our KV-cache
-    events), asks a worker for each request's token ids (/tokenize), and sends a request to
+    events), asks a worker for each request's token ids (/render), and sends a request to
     the worker holding its longest prefix: after the first, every turn of the conversations
     is a hit in its index. Events it could not decode, or no /tokenize, would leave none."""
     if importlib.util.find_spec("vllm_router") is None:
@@ -225,9 +225,8 @@ def test_vllm_router_kv_aware_places_by_our_kv_events(workers):
     print(f"vllm-router's index lookups: {lookups}")
     assert int(lookups.get("hit", 0)) >= len(TOPICS) * (TURNS - 1), metrics
     asked = {(p, s) for w in workers for _, p, s in ACCESS.findall(w.log.read_text())}
-    assert ("/tokenize", "200") in asked
-    # it asks vLLM's newer /v1/chat/completions/render first, and takes /tokenize after a 404
-    missing = {p for p, s in asked if s == "404"} - {"/v1/chat/completions/render"}
+    assert ("/v1/chat/completions/render", "200") in asked  # the ids, before it picks
+    missing = {p for p, s in asked if s == "404"}
     assert not missing, f"vllm-router asked for {missing}"
 
 
@@ -248,6 +247,14 @@ def test_tokenize_gives_the_ids_a_request_is_served_with(workers):
     assert plain["count"] == done["usage"]["prompt_tokens"] and len(plain["token_strs"]) > 1
     assert post("/detokenize", tokens=plain["tokens"]).json()["prompt"].endswith(text)
     assert chat["tokens"][: plain["count"]] != plain["tokens"]  # the template came first
+    rendered = post("/v1/chat/completions/render", model=MODEL, messages=messages, max_tokens=3)
+    assert rendered.json()["token_ids"] == chat["tokens"], rendered.text
+    assert rendered.json()["sampling_params"]["max_tokens"] == 3
+    both = post("/v1/completions/render", model=MODEL, prompt=[text, "Hi"]).json()
+    assert [r["token_ids"] for r in both] == [
+        plain["tokens"],
+        post("/tokenize", prompt="Hi").json()["tokens"],
+    ]
     cases = [
         ("/tokenize", {"prompt": "a", "messages": messages}, 400, "either"),
         ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),

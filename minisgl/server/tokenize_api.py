@@ -14,17 +14,28 @@ loaded on the first call (in a thread, so that the event loop keeps serving).
     {"prompt": "Hello"}                                  -> {"count": 2, "tokens": [...], ...}
     {"messages": [{"role": "user", "content": "Hi"}]}    -> the chat prompt's ids
     {"tokens": [...]} to /detokenize                     -> {"prompt": "..."}
+
+and vLLM's newer /v1/chat/completions/render and /v1/completions/render, which take the
+body of a chat or completion request and answer it as token ids (vLLM's GenerateRequest:
+`request_id`, `token_ids`, `sampling_params`, `model`, `stream`; a list, one per prompt,
+for completions). vllm-router asks /render first, and /tokenize where that is a 404.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict
 
-from minisgl.server.protocol import APIError, ChatCompletionRequest, ChatMessage
+from minisgl.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 from minisgl.tokenizer.tokenizer import Tokenizer
 
 
@@ -45,25 +56,45 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def chat_ids(tok: Tokenizer, body: TokenizeRequest, model: str) -> list[int]:
-    """The ids of a chat prompt, as the tokenizer worker makes them for /v1/chat/completions."""
-    if body.continue_final_message and body.add_generation_prompt:
+def chat_ids(
+    tok: Tokenizer,
+    chat: ChatCompletionRequest,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """The ids of a chat prompt, as the tokenizer worker makes them for /v1/chat/completions
+    (its tools in the template too)."""
+    if continue_final_message and add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt exclude each other")
-    chat = ChatCompletionRequest(model=model, messages=body.messages or [])
     messages = chat.plain_messages()
     try:
         text = tok.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt, **chat.template_vars()
+            messages, add_generation_prompt=add_generation_prompt, **chat.template_vars()
         )
     except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
         raise APIError(400, f"the chat template rejected the messages: {e}") from None
-    if body.continue_final_message:  # cut what the template wrote after the last message
+    if continue_final_message:  # cut what the template wrote after the last message
         last = messages[-1]["content"] or ""
         end = text.rfind(last)
         if end < 0:
             raise APIError(400, "the final message is not in the rendered prompt")
         text = text[: end + len(last)]
-    return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+SAMPLING = {"temperature", "top_p", "top_k", "n", "stop", "seed", "max_tokens"}
+
+
+def rendered(kind: str, ids: list[int], body: ChatCompletionRequest | CompletionRequest) -> dict:
+    """vLLM's GenerateRequest: what /render answers, a request as token ids."""
+    return {
+        "request_id": f"{kind}-{uuid.uuid4().hex}",
+        "token_ids": ids,
+        "sampling_params": body.model_dump(include=SAMPLING, exclude_none=True),
+        "model": body.model,
+        "stream": body.stream,
+    }
 
 
 def add_tokenize_routes(
@@ -90,7 +121,9 @@ def add_tokenize_routes(
             raise APIError(400, "give either `prompt` or `messages`")
         tok = await tokenizer()
         if body.messages is not None:
-            ids = chat_ids(tok, body, names[0])
+            chat = ChatCompletionRequest(model=names[0], messages=body.messages)
+            flags = (body.add_generation_prompt, body.continue_final_message)
+            ids = chat_ids(tok, chat, *flags, bool(body.add_special_tokens))
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = tok.encode(body.prompt or "", add_special_tokens=special)
@@ -101,6 +134,21 @@ def add_tokenize_routes(
             "tokens": ids,
             "token_strs": strs,
         }
+
+    # vLLM's newer form of the same question, asked first by vllm-router: the body of a
+    # chat or completion request, answered as the request in token ids (one per prompt).
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
+        check(body.model)
+        return rendered("chatcmpl", chat_ids(await tokenizer(), body), body)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
+        check(body.model)
+        tok = await tokenizer()
+        prompts = body.prompts()
+        ids = [p if isinstance(p, list) else tok.encode(p) for p in prompts]
+        return [rendered("cmpl", i, body) for i in ids]
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
