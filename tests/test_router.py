@@ -257,6 +257,8 @@ def test_tokenize_gives_the_ids_a_request_is_served_with(workers):
     ]
     cases = [
         ("/tokenize", {"prompt": "a", "messages": messages}, 400, "either"),
+        ("/tokenize", {"messages": []}, 400, "empty"),
+        ("/v1/chat/completions/render", {"model": MODEL, "messages": []}, 400, "messages"),
         ("/tokenize", {"model": "other", "prompt": "a"}, 404, "does not exist"),
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "vocabulary"),
     ]

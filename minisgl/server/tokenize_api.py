@@ -121,6 +121,8 @@ def add_tokenize_routes(
             raise APIError(400, "give either `prompt` or `messages`")
         tok = await tokenizer()
         if body.messages is not None:
+            if not body.messages:
+                raise APIError(400, "`messages` is empty", "messages")
             chat = ChatCompletionRequest(model=names[0], messages=body.messages)
             flags = (body.add_generation_prompt, body.continue_final_message)
             ids = chat_ids(tok, chat, *flags, bool(body.add_special_tokens))
