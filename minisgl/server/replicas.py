@@ -78,17 +78,19 @@ class ReplicaSet:
                 return self.failure()
         metrics_port = free_ports(1)[0]
         self.spawn("router", self.router_command(urls, metrics_port), None)
-        if not self.wait_ready(f"http://{_local(self.args.host)}:{self.args.port}/readiness"):
+        ready = self.wait_ready(f"http://{_local(self.args.host)}:{self.args.port}/readiness")
+        if not ready and self.dead() is not None:
             return self.failure()
-        logger.info(
-            "%d replicas behind SGLang's router (%s) on http://%s:%d; its own metrics on"
-            " http://127.0.0.1:%d/metrics",
-            self.size,
-            self.policy,
-            self.args.host,
-            self.args.port,
-            metrics_port,
-        )
+        if ready:  # else a signal came first; the replicas serve already, so it drains them
+            logger.info(
+                "%d replicas behind SGLang's router (%s) on http://%s:%d; its own metrics on"
+                " http://127.0.0.1:%d/metrics",
+                self.size,
+                self.policy,
+                self.args.host,
+                self.args.port,
+                metrics_port,
+            )
         while self.signals == 0:
             if self.dead() is not None:
                 return self.failure()
