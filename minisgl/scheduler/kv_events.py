@@ -41,11 +41,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
 import torch
-import zmq
 
 from minisgl.kvcache.radix_cache import RadixCache, RadixNode
 
 if TYPE_CHECKING:
+    import zmq
+
     from minisgl.scheduler.cache import CacheManager
     from minisgl.scheduler.config import SchedulerConfig
 
@@ -115,6 +116,8 @@ class KVEventPublisher:
         self.seq = 0
         self.sent: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self.lock = threading.Lock()  # `sent` is read by the replay thread
+        import zmq  # here, not at the top: an offline engine runs without pyzmq
+
         self.ctx = zmq.Context()  # our own, so that close() can end it
         self.replay: zmq.Socket | None = None
         self.closing = threading.Event()
@@ -135,6 +138,8 @@ class KVEventPublisher:
         logger.info("KV-cache events on %s", replica_endpoint(config.endpoint, config.dp_rank))
 
     def _open(self, kind: int, endpoint: str, flag: str, bind: bool = False) -> zmq.Socket:
+        import zmq
+
         endpoint = replica_endpoint(endpoint, self.config.dp_rank)
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
