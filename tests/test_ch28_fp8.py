@@ -181,6 +181,60 @@ def test_a_deferred_norm_is_done_before_the_matmul_when_rows_are_many() -> None:
     torch.testing.assert_close(out, x + residual, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the timer is injected")
+def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 projections are measured at start-up as chapter 20's are (engine/kernel_choice.py):
+    at 1, 2 and 4 rows, with the norm folded in at one row (where a norm is deferred). The
+    table decides: where the GEMV wins only at qkv, only qkv runs in it and the norm before
+    gate_up is not deferred; where it loses everywhere, none does. The tokens stay the same."""
+    import minisgl.layers.triton_ops as triton_ops
+    from minisgl.engine.kernel_choice import choose_gemv
+    from minisgl.env import ENV
+
+    kernels = fp8._kernels()
+    llm = LLM(str(need(TINY["llama"])), device="cpu", quantization="fp8", max_running_req=1,
+              num_page_override=64, max_seq_len_override=32)  # fmt: skip
+    prompts, params = [[5, 17, 300, 41, 8, 99, 23]], SamplingParams(max_tokens=4, ignore_eos=True)
+    want = llm.generate(prompts, params, use_tqdm=False)[0]["token_ids"]  # first-guess blocks
+    calls: list[tuple[int, bool, bool]] = []  # (out rows, gated, normed) of each FP8 GEMV
+    real = kernels.fp8_gemv
+
+    def counted(x, weight, scale, block, bias=None, gated=False, norm=None, blocks=None):
+        calls.append((weight.size(0), gated, norm is not None))
+        return real(x, weight, scale, block, bias, gated=gated, norm=norm, blocks=blocks)
+
+    monkeypatch.setattr(kernels, "fp8_gemv", counted)
+    # chapter 20's GEMV gate, open for one row on the CPU: norms may be deferred
+    monkeypatch.setattr(triton_ops, "gemv_kernel", lambda x: real if x.size(0) == 1 else None)
+    monkeypatch.setattr(ENV.GEMV, "value", "auto")
+    timed: list[str] = []
+
+    def timer_where(wins):
+        def timer(what: str, run) -> float:
+            timed.append(what)
+            return (0.5 if wins(what) else 2.0) if "fp8 gemv" in what.split(": ")[-1] else 1.0
+
+        return timer
+
+    for name, wins in {"matmul": lambda w: False, "qkv only": lambda w: "qkv_proj" in w}.items():
+        table = choose_gemv(llm.engine, timer_where(wins))
+        assert table is not None
+        calls.clear()
+        got = llm.generate(prompts, params, use_tqdm=False)[0]["token_ids"]
+        assert got == want, name
+        qkv_rows = llm.engine.model.model.layers[0].self_attn.qkv_proj.weight.size(0)
+        if name == "matmul":
+            assert not calls
+        else:  # qkv in the GEMV with its norm folded (layers 1..), gate_up's norm not deferred
+            assert calls and all(rows == qkv_rows and not gated for rows, gated, _ in calls)
+            assert any(normed for *_, normed in calls)
+    fp8_keys = {(key, m) for key, m in table.blocks if m > 1}
+    assert fp8_keys and all(not key.normed for key, _ in fp8_keys)  # no norm deferred there
+    assert {m for _, m in table.blocks} == {1, 2, 4}
+    assert any("gate_up_proj" in t and "gated +norm" in t and "rows 1" in t for t in timed)
+    llm.shutdown()
+
+
 # ---- checkpoints in FP8 ---------------------------------------------------------------
 
 MERGED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

@@ -24,6 +24,7 @@ the ones the graphs would have compiled anyway.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -46,6 +47,7 @@ from minisgl.layers.triton_ops import (
     ProjectionCall,
     recording_projections,
 )
+from minisgl.quant import fp8  # [ch28]
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -90,6 +92,7 @@ def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
     names = {  # a tied LM head is named for the module that uses it last, the head
         id(p): name for name, m in engine.model.named_modules() for p in m.parameters(False)
     }
+    owners = {id(m.weight): m for m in engine.model.modules() if hasattr(m, "fp8_block")}  # [ch28]
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for p in engine.model.parameters():
         by_shape.setdefault((p.shape, p.dtype), []).append(p)
@@ -97,6 +100,25 @@ def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
     for key, call in {c.key: c for c in calls}.items():
         weights = _enough(by_shape[call.weight.shape, call.weight.dtype], engine.device)
         name = _short(names.get(id(call.weight), "?"))
+        # >>> ch28 FP8 weights: their own GEMV against their own matmul, at up to 4 rows
+        if call.weight.dtype == fp8.FP8:
+            layers = [owners[id(w)] for w in weights]
+            for m in fp8.gemv_rows():
+                if m > ENV.GEMV_MAX_ROWS.value:  # no norm is deferred to so many rows
+                    key = dataclasses.replace(key, normed=False)
+                    call = dataclasses.replace(call, key=key)
+                what = f"{name} {_describe(key)} rows {m}"
+                runs = fp8.choice_candidates(call, layers, m, engine.dtype)
+                times = {c: timer(f"{what}: {c}", r) / len(layers) for c, (_, r) in runs.items()}
+                label = pick(times)
+                table.blocks[key, m] = runs[label][0]
+                if key.normed:  # where the norm is not deferred after all, the same choice
+                    table.blocks.setdefault(
+                        (dataclasses.replace(key, normed=False), m), runs[label][0]
+                    )
+                lines.append(f"  {what}: {_show(times)} -> {label}")
+            continue
+        # <<< ch28
         for m in rows:
             what = f"{name} {_describe(key)} rows {m}"
             runs = candidates(call, weights, m)

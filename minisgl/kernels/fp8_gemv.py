@@ -105,19 +105,35 @@ def _fp8_gemv_kernel(
 def fp8_gemv_blocks(
     m: int, n: int, k: int, scale_rows: int = 1, gated: bool = False, on_gpu: bool = True
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [m, k] @ W[n, k].T. scale_rows: rows that
-    share a block scale (1 for per-row scales); BLOCK_N must divide it.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for x [m, k] @ W[n, k].T where nothing was
+    measured: the first of `fp8_gemv_candidates`. Triton's interpreter (on a CPU) pays per
+    program, not per weight: there, fewer and wider programs."""
+    if not on_gpu:
+        block_n = 32 if scale_rows == 1 else min(32, scale_rows & -scale_rows)
+        return triton.next_power_of_2(m), block_n, min(1024, max(16, triton.next_power_of_2(k))), 1
+    return fp8_gemv_candidates(m, n, k, scale_rows, gated)[0]
 
-    A first guess in the spirit of chapter 20's sweep: a few rows per program, K in long
-    runs (1 KB of FP8 per row), and enough warps that the accumulator fits in registers.
-    `tools/bench_fp8.py --sweep` measures the alternatives on a GPU. Triton's interpreter
-    (on a CPU) pays per program, not per weight: there, fewer and wider programs."""
-    widest = 4 if on_gpu else 32
-    block_n = widest if scale_rows == 1 else min(widest, scale_rows & -scale_rows)
-    block_k = min(1024, max(16, triton.next_power_of_2(k)))
-    block_m = triton.next_power_of_2(m)
-    products = block_m * block_n * block_k * (2 if gated else 1)
-    return block_m, block_n, block_k, min(8, max(1, products // 2048))
+
+def fp8_gemv_candidates(
+    m: int, n: int, k: int, scale_rows: int = 1, gated: bool = False
+) -> list[tuple[int, int, int, int]]:
+    """The block shapes the start-up measurement tries (engine/kernel_choice.py). From a
+    sweep on the H200 of Qwen3-8B's projections at one row (docs/benchmarks.md): programs
+    of 4 rows x 512 columns were fastest for the wide projections (qkv, gate_up, the LM head),
+    2 or 8 rows x 1,024 for the narrow ones with long rows (o, down); each with the warps
+    that keep 64 partial sums per thread (more spill). scale_rows: rows that share a block
+    scale (1 for per-row scales); BLOCK_N must divide it."""
+    block_m, out = triton.next_power_of_2(m), []
+    for block_n, block_k in ((4, 512), (2, 1024), (8, 1024)):
+        if scale_rows > 1 and scale_rows % block_n:
+            continue
+        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+        warps = max(1, block_m * block_n * block_k * (1 + gated) // (32 * 64))
+        while warps > 8:
+            block_k, warps = block_k // 2, warps // 2
+        if (choice := (block_m, block_n, block_k, warps)) not in out:
+            out.append(choice)
+    return out or [(block_m, 1, min(512, max(16, triton.next_power_of_2(k))), 1)]
 
 
 def fp8_gemv(

@@ -155,8 +155,7 @@ def defer_norm(
     """(RMSNorm(x + residual) left to the projection after it, the tensor that will hold
     x + residual) where the GEMV kernel could take x; else None. Not where the start-up
     measurement chose the library for that projection: the norm's weight carries the
-    projection's key (`engine/kernel_choice.py`). A projection the measurement never saw
-    (FP8's, which has a norm-folding kernel of its own) gets the norm deferred."""
+    projection's key (`engine/kernel_choice.py`); one it never saw gets the norm deferred."""
     if gemv_kernel(x) is None:
         return None
     if _recording is None and ENV.GEMV.value != "on":
@@ -183,10 +182,7 @@ def gemv_projection(
         return None
     key = GemvKey(weight.size(0) // (1 + gated), weight.size(1), gated, normed, bias is not None)
     blocks = None
-    if kernel is not None and _recording is not None:
-        norm = (x.weight, x.eps) if normed else (None, 0.0)
-        _recording.append(ProjectionCall(key, weight, bias, *norm))
-    elif kernel is not None:
+    if kernel is not None and not record_projection(key, weight, bias, x):
         blocks = gemv_blocks_for(weight, key, rows.size(0))
     if blocks is None:  # the matmul library
         if not normed:
@@ -216,6 +212,17 @@ class ProjectionCall:
 
 
 _recording: list[ProjectionCall] | None = None
+
+
+def record_projection(
+    key: GemvKey, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor | NormedInput
+) -> bool:
+    """Whether projections are being recorded (`recording_projections`); if so, this one is."""
+    if _recording is None:
+        return False
+    norm = (x.weight, x.eps) if isinstance(x, NormedInput) else (None, 0.0)
+    _recording.append(ProjectionCall(key, weight, bias, *norm))
+    return True
 
 
 @contextmanager

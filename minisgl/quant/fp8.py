@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -31,7 +32,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers.activation import silu_and_mul
-from minisgl.layers.triton_ops import NormedInput
+from minisgl.layers.triton_ops import (
+    GEMV_ROWS,
+    Blocks,
+    GemvKey,
+    NormedInput,
+    ProjectionCall,
+    record_projection,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,14 +124,77 @@ def fp8_projection(
 ) -> torch.Tensor:
     """x @ W.T (+ bias) for a layer with FP8 weights. gated: W is a merged [gate; up] and
     the result silu(gate) * up. x may be chapter 20's NormedInput, a norm left to the
-    projection: the GEMV does it in its kernel, the other paths here."""
+    projection: the GEMV does it in its kernel, the other paths here. A few rows go to the
+    GEMV in the blocks the start-up measurement chose, or to the matmul where it won."""
     w, scale, block, bias = layer.weight, layer.weight_scale, layer.fp8_block, layer.bias
     rows = x.x if isinstance(x, NormedInput) else x
     if _gemv_takes(rows):
-        norm = (x.residual, x.residual_out, x.weight, x.eps) if rows is not x else None
-        return _kernels().fp8_gemv(rows, w, scale, block, bias, gated=gated, norm=norm)
+        key = GemvKey(w.size(0) // (1 + gated), w.size(1), gated, rows is not x, bias is not None)
+        blocks = "matmul" if record_projection(key, w, bias, x) else gemv_choice(w, key, rows)
+        if blocks != "matmul":
+            norm = (x.residual, x.residual_out, x.weight, x.eps) if rows is not x else None
+            return _kernels().fp8_gemv(
+                rows, w, scale, block, bias, gated=gated, norm=norm, blocks=blocks
+            )
     y = matmul(x.compute() if isinstance(x, NormedInput) else x, w, scale, block, bias)
     return silu_and_mul(y) if gated else y
+
+
+def gemv_choice(w: torch.Tensor, key: GemvKey, rows: torch.Tensor) -> Blocks | str | None:
+    """What the start-up measurement (engine/kernel_choice.py) chose for this projection at
+    this many rows: GEMV blocks, or "matmul"; None (the GEMV's first guess) where nothing
+    was measured: no table (a CPU, the GEMV forced on or off) or a row count it did not try."""
+    table = getattr(w, "gemv_table", None)
+    if table is None:
+        return None
+    bucket = next((r for r in GEMV_ROWS if r >= rows.size(0)), None)
+    chosen = table.blocks.get((key, bucket), "unmeasured")
+    return None if chosen == "unmeasured" else chosen or "matmul"
+
+
+def gemv_rows() -> list[int]:
+    """The row counts at which the start-up measurement times the FP8 GEMV."""
+    return [r for r in GEMV_ROWS if r <= GEMV_MAX_ROWS]
+
+
+def choice_candidates(
+    call: ProjectionCall, layers: list[nn.Module], m: int, dtype: torch.dtype
+) -> dict[str, tuple[Blocks | None, Callable[[], object]]]:
+    """For the start-up measurement: label -> (GEMV blocks or None for the matmul, a run of
+    it over `layers`, FP8 layers of the call's shape), as chapter 20's `candidates`."""
+    from minisgl.layers.norm import RMSNorm
+
+    key, first = call.key, layers[0]
+    x = torch.randn(m, key.k, dtype=dtype, device=first.weight.device)
+    residual, out = torch.randn_like(x), torch.empty_like(x)
+    norm = fold = None
+    if key.normed:
+        norm = RMSNorm(key.k, call.norm_eps)
+        norm.weight = nn.Parameter(call.norm_weight, requires_grad=False)
+        fold = (residual, out, call.norm_weight, call.norm_eps)
+
+    def library() -> None:  # the norm's own kernel, x quantised, _scaled_mm, SiLU-and-mul
+        for layer in layers:
+            h = norm.forward_add(x, residual)[0] if norm is not None else x
+            y = matmul(h, layer.weight, layer.weight_scale, layer.fp8_block, layer.bias)
+            if key.gated:
+                silu_and_mul(y)
+
+    def gemv(blocks: Blocks) -> Callable[[], None]:
+        def run() -> None:
+            for layer in layers:
+                w, s, block = layer.weight, layer.weight_scale, layer.fp8_block
+                _kernels().fp8_gemv(x, w, s, block, layer.bias, key.gated, fold, blocks)
+
+        return run
+
+    block = first.fp8_block
+    scale_rows = 1 if block[0] == 1 and block[1] >= key.k else block[0]
+    runs: dict[str, tuple[Blocks | None, Callable[[], object]]] = {"library": (None, library)}
+    for blocks in _kernels().fp8_gemv_candidates(m, key.n, key.k, scale_rows, key.gated):
+        label = "fp8 gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"
+        runs[label] = (blocks, gemv(blocks))
+    return runs
 
 
 def matmul(
