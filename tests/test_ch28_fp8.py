@@ -30,7 +30,7 @@ from minisgl.kvcache.allocator import page_slots
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.linear import Linear
 from minisgl.layers.norm import RMSNorm
-from minisgl.layers.triton_ops import NormedInput
+from minisgl.layers.triton_ops import GemvKey, GemvTable, NormedInput
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
@@ -112,6 +112,53 @@ def test_fp8_gemv_equals_the_dequantised_reference(m, n, k, block) -> None:
     normed = norm.reference(x + residual)
     want = silu_and_mul(fp8.reference(normed, *gate_up))
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(out, x + residual, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_mma_gemv_equals_the_w8a8_reference(m: int) -> None:
+    """The tensor-core GEMV of a few rows: x quantised per row (with the deferred norm in the
+    same kernel), then the product of the two dequantised operands; gated and with a bias."""
+    from minisgl.kernels.fp8_gemv import fp8_mma_candidates, fp8_mma_gemv, quantize_groups
+
+    n, k = 128, 256
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen).to(DEV)
+    bias = torch.randn(n, generator=gen).to(DEV)
+
+    def w8a8(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, b=None) -> torch.Tensor:
+        qx, sx = fp8.quantize_groups_reference(rows, k)
+        return F.linear(dequantize(qx, sx, (1, k)), dequantize(q, scale, (1, k)), b)
+
+    q, scale, _ = _weights(n, k, None, 5)
+    gate_up = _weights(2 * n, k, None, 6)[:2]
+    candidates = fp8_mma_candidates(n, k)
+    assert candidates and fp8_mma_candidates(n, k + 64) == []  # blocks must divide the shape
+    for blocks in candidates:
+        xq, xs = quantize_groups(x, k)
+        got = fp8_mma_gemv(xq, xs, q, scale, blocks, x.dtype, bias)
+        torch.testing.assert_close(got, w8a8(x, q, scale, bias), rtol=0, atol=1e-4)
+        got = fp8_mma_gemv(xq, xs, *gate_up, blocks, x.dtype, gated=True)
+        torch.testing.assert_close(got, silu_and_mul(w8a8(x, *gate_up)), rtol=0, atol=1e-4)
+    # the residual add and RMSNorm before it, in the quantiser
+    residual, norm = torch.randn(m, k, generator=gen).to(DEV), RMSNorm(k, 1e-6).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(k, generator=gen) + 0.5)
+    out = torch.full_like(x, float("nan"))
+    xq, xs = quantize_groups(x, k, norm=(residual, out, norm.weight, norm.eps))
+    want_q, want_s = fp8.quantize_groups_reference(norm.reference(x + residual), k)
+    torch.testing.assert_close(out, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(xs, want_s, rtol=1e-6, atol=0)
+    assert (xq.float() - want_q.float()).abs().le(want_q.float().abs() / 8 + 1e-6).all()
+    # chosen by the start-up table, for a projection with a norm deferred to it
+    layer = _layer(q, scale, (1, k))
+    table = GemvTable()
+    table.blocks.update({(GemvKey(n, k, False, True, False), r): candidates[0] for r in (1, 4)})
+    layer.weight.gemv_table = table
+    out = torch.empty_like(x)
+    got = fp8.fp8_projection(NormedInput(x, residual, out, norm.weight, norm.eps), layer)
+    want = F.linear(dequantize(want_q, want_s, (1, k)), dequantize(q, scale, (1, k)))
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02 * want.abs().max().item())
     torch.testing.assert_close(out, x + residual, rtol=0, atol=0)
 
 

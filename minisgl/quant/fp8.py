@@ -131,6 +131,8 @@ def fp8_projection(
     if _gemv_takes(rows):
         key = GemvKey(w.size(0) // (1 + gated), w.size(1), gated, rows is not x, bias is not None)
         blocks = "matmul" if record_projection(key, w, bias, x) else gemv_choice(w, key, rows)
+        if isinstance(blocks, _kernels().MmaBlocks):
+            return mma_projection(x, layer, gated, blocks)
         if blocks != "matmul":
             norm = (x.residual, x.residual_out, x.weight, x.eps) if rows is not x else None
             return _kernels().fp8_gemv(
@@ -138,6 +140,23 @@ def fp8_projection(
             )
     y = matmul(x.compute() if isinstance(x, NormedInput) else x, w, scale, block, bias)
     return silu_and_mul(y) if gated else y
+
+
+def mma_projection(
+    x: torch.Tensor | NormedInput, layer: nn.Module, gated: bool, blocks: Blocks
+) -> torch.Tensor:
+    """A few rows on the tensor cores (`kernels.fp8_gemv.fp8_mma_gemv`): x quantised per row
+    first, in one kernel with the norm where one was deferred to this projection."""
+    kernels = _kernels()
+    if isinstance(x, NormedInput):
+        fold = (x.residual, x.residual_out, x.weight, x.eps)
+        xq, xs = kernels.quantize_groups(x.x, x.x.size(1), norm=fold)
+        dtype = x.x.dtype
+    else:
+        xq, xs = kernels.quantize_groups(x, x.size(1))
+        dtype = x.dtype
+    w, scale = layer.weight, layer.weight_scale
+    return kernels.fp8_mma_gemv(xq, xs, w, scale, blocks, dtype, layer.bias, gated)
 
 
 def gemv_choice(w: torch.Tensor, key: GemvKey, rows: torch.Tensor) -> Blocks | str | None:
@@ -188,12 +207,26 @@ def choice_candidates(
 
         return run
 
-    block = first.fp8_block
-    scale_rows = 1 if block[0] == 1 and block[1] >= key.k else block[0]
+    def mma(blocks: Blocks) -> Callable[[], None]:
+        def run() -> None:
+            for layer in layers:
+                h = NormedInput(x, residual, out, call.norm_weight, call.norm_eps) if norm else x
+                mma_projection(h, layer, key.gated, blocks)
+
+        return run
+
+    block, kernels = first.fp8_block, _kernels()
+    row_scales = block[0] == 1 and block[1] >= key.k
     runs: dict[str, tuple[Blocks | None, Callable[[], object]]] = {"library": (None, library)}
-    for blocks in _kernels().fp8_gemv_candidates(m, key.n, key.k, scale_rows, key.gated):
+    for blocks in kernels.fp8_gemv_candidates(
+        m, key.n, key.k, 1 if row_scales else block[0], key.gated
+    ):
         label = "fp8 gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"
         runs[label] = (blocks, gemv(blocks))
+    if row_scales and m <= kernels.MMA_MAX_ROWS:  # the tensor cores: x quantised too
+        for blocks in kernels.fp8_mma_candidates(key.n, key.k, key.gated):
+            label = "fp8 gemv mma " + "x".join(map(str, blocks[:2])) + "w{}s{}".format(*blocks[2:])
+            runs[label] = (blocks, mma(blocks))
     return runs
 
 
