@@ -231,7 +231,7 @@ def test_a_deferred_norm_is_done_before_the_matmul_when_rows_are_many() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the timer is injected")
 def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """FP8 projections are measured at start-up as chapter 20's are (engine/kernel_choice.py):
-    at 1, 2 and 4 rows, with the norm folded in at one row (where a norm is deferred). The
+    at 1, 2, 4 and 8 rows, with the norm folded in at one row (where a norm is deferred). The
     table decides: where the GEMV wins only at qkv, only qkv runs in it and the norm before
     gate_up is not deferred; where it loses everywhere, none does. The tokens stay the same."""
     import minisgl.layers.triton_ops as triton_ops
@@ -277,7 +277,7 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
             assert any(normed for *_, normed in calls)
     fp8_keys = {(key, m) for key, m in table.blocks if m > 1}
     assert fp8_keys and all(not key.normed for key, _ in fp8_keys)  # no norm deferred there
-    assert {m for _, m in table.blocks} == {1, 2, 4}
+    assert {m for _, m in table.blocks} == set(fp8.gemv_rows()) == {1, 2, 4, 8}
     assert any("gate_up_proj" in t and "gated +norm" in t and "rows 1" in t for t in timed)
     llm.shutdown()
 

@@ -100,7 +100,7 @@ def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
     for key, call in {c.key: c for c in calls}.items():
         weights = _enough(by_shape[call.weight.shape, call.weight.dtype], engine.device)
         name = _short(names.get(id(call.weight), "?"))
-        # >>> ch28 FP8 weights: their own GEMV against their own matmul, at up to 4 rows
+        # >>> ch28 FP8 weights: their own GEMVs against their own matmul, at up to 8 rows
         if call.weight.dtype == fp8.FP8:
             layers = [owners[id(w)] for w in weights]
             for m in fp8.gemv_rows():
