@@ -52,6 +52,9 @@ def add_engine_args(
         p.add_argument("--num-draft-tokens", type=int, default=8, help="with --speculative")
         p.add_argument("--draft-model", help="with --speculative draft: a smaller model folder")
         p.add_argument("--quantization", choices=["fp8"], help="fp8: FP8 weights")  # [ch28]
+        p.add_argument(
+            "--kv-cache-dtype", default="auto", help="fp8_e4m3: an FP8 KV cache"
+        )  # [ch28]
 
 
 def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,6 +82,8 @@ def engine_kwargs(args: argparse.Namespace, **override: Any) -> dict[str, Any]:
             kw["draft_model"] = args.draft_model
     if getattr(args, "quantization", None):  # [ch28]
         kw["quantization"] = args.quantization  # [ch28]
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":  # [ch28]
+        kw["kv_cache_dtype"] = args.kv_cache_dtype  # [ch28]
     return {**kw, **override}
 
 

@@ -35,6 +35,7 @@ class BaseAttnBackend(ABC):
     # the device, metadata in static buffers. On CPU, emulated graphs take every kind.
     cuda_graphs: tuple[str, ...] = ()
     # <<< ch18
+    reads_fp8_kv: bool = False  # takes a KV cache of e4m3 keys and values  # [ch28]
 
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int

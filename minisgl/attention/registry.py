@@ -65,24 +65,34 @@ def backend_names() -> list[str]:
     return ["auto", *BACKENDS]
 
 
+def reads_fp8_kv(name: str) -> bool:
+    """Whether `--attn name` can run on an FP8 KV cache (auto: it picks one that can)."""
+    return name == "auto" or (name in BACKENDS and BACKENDS[name].reads_fp8_kv)  # [ch28]
+
+
 def select_backend(
-    name: str, device: torch.device, dtype: torch.dtype, page_size: int
+    name: str, device: torch.device, dtype: torch.dtype, page_size: int, fp8_kv: bool = False
 ) -> type[BaseAttnBackend]:
-    """The backend class for `name`, or a ValueError that says why it cannot run here."""
+    """The backend class for `name`, or a ValueError that says why it cannot run here.
+    fp8_kv: the KV cache holds e4m3 keys and values (chapter 28), which not all can read."""
     if name == "auto":
-        return _auto(device, dtype, page_size)
+        return _auto(device, dtype, page_size, fp8_kv)
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose from {', '.join(backend_names())}"
         )
     cls = BACKENDS[name]
     reason = cls.unavailable_reason(device, dtype, page_size)
+    if fp8_kv and not cls.reads_fp8_kv:  # [ch28]
+        reason = "it does not read an FP8 KV cache"  # [ch28]
     if reason:
         raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
     return cls
 
 
-def _auto(device: torch.device, dtype: torch.dtype, page_size: int) -> type[BaseAttnBackend]:
+def _auto(
+    device: torch.device, dtype: torch.dtype, page_size: int, fp8_kv: bool = False
+) -> type[BaseAttnBackend]:
     measured = _measured(device)
     order = [n for n in measured.order if n in BACKENDS] if measured else []
     why = measured.why if measured else "no benchmark ran on this GPU: the default order"
@@ -92,6 +102,8 @@ def _auto(device: torch.device, dtype: torch.dtype, page_size: int) -> type[Base
         if device.type not in cls.auto_devices:
             continue
         reason = cls.unavailable_reason(device, dtype, page_size)
+        if fp8_kv and not cls.reads_fp8_kv:  # [ch28]
+            reason = "it does not read an FP8 KV cache"  # [ch28]
         if not reason:
             logger.info("attention backend: %s (auto%s)", name, why)
             return cls

@@ -52,6 +52,7 @@ class TorchAttnBackend(BaseAttnBackend):
     name = "torch"
     devices = ("cpu", "cuda")
     auto_devices = ("cpu", "cuda")
+    reads_fp8_kv = True  # [ch28]
     # No `cuda_graphs`: its decode reads the longest length on the host, which a CUDA graph
     # cannot replay; on CPU the graph runner's EmulatedGraph does not care, so the hooks
     # below still serve it.
@@ -95,6 +96,7 @@ class TorchAttnBackend(BaseAttnBackend):
         slots = md.page_table[:, :max_len].long()  # [bs, L]
         keys = gather_slots(k_cache, slots).transpose(1, 2)  # [bs, kv_heads, L, head_dim]
         values = gather_slots(v_cache, slots).transpose(1, 2)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)  # an FP8 cache: to q's dtype  # [ch28]
         positions = torch.arange(max_len, device=q.device)
         mask = (positions[None, :] < md.cache_seqlens[:, None])[:, None, None, :]
         out = F.scaled_dot_product_attention(
@@ -114,6 +116,7 @@ class TorchAttnBackend(BaseAttnBackend):
             slots = md.page_table[i, :seq_len].long()
             keys = gather_slots(k_cache, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             values = gather_slots(v_cache, slots).transpose(0, 1)
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # [ch28]
             # New token j sits at position seq_len - n + j and sees every position up to it.
             n = end - start
             q_pos = torch.arange(seq_len - n, seq_len, device=q.device)

@@ -48,6 +48,7 @@ class TritonAttnBackend(BaseAttnBackend):
     devices = ("cuda", "cpu")
     auto_devices = ("cuda",)  # on a CPU the interpreter is for checking, never the default
     cuda_graphs = ("decode", "prefill")
+    reads_fp8_kv = True  # the kernels load e4m3 and compute in q's dtype  # [ch28]
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention.registry import backend_names
-from minisgl.quant.config import check_quantization  # [ch28]
+from minisgl.quant.config import check_kv_cache_dtype, check_quantization  # [ch28]
 from minisgl.speculative.config import check_speculative  # [ch26]
 
 
@@ -23,6 +23,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     max_prefill_length: int = 8192  # the most new tokens of one forward: longer prompts are chunked
     quantization: str | None = None  # "fp8": FP8 projections, one scale per row  # [ch28]
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3" (or "fp8"): keys and values in e4m3  # [ch28]
     # >>> ch18 decode CUDA graphs
     # Largest captured decode batch; None: from GPU memory on CUDA, off on CPU; 0: off.
     cuda_graph_max_bs: int | None = None
@@ -89,3 +90,5 @@ class EngineConfig:
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"choose from {', '.join(backend_names())}"
             )
+        kv = check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)  # [ch28]
+        self.kv_cache_dtype = kv  # its canonical name  # [ch28]

@@ -50,6 +50,7 @@ from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
+from minisgl.quant.fp8 import check_device  # [ch28]
 from minisgl.quant.quantize import quantize_model  # [ch28]
 from minisgl.utils import cdiv, to_device, to_host
 
@@ -97,6 +98,12 @@ class Engine:
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         )
         self.dtype = config.dtype or self._default_dtype()
+        self.kv_dtype = self.dtype  # what the KV cache stores
+        # >>> ch28 an FP8 KV cache: keys and values in e4m3, twice the tokens in the same bytes
+        if config.kv_cache_dtype == "fp8_e4m3":
+            check_device(self.device)
+            self.kv_dtype = torch.float8_e4m3fn
+        # <<< ch28
         self.max_seq_len = self._max_seq_len()
         self.page_size = config.page_size
 
@@ -119,7 +126,7 @@ class Engine:
             self.page_size,
             self.num_kv_heads,
             mc.head_dim,
-            self.dtype,
+            self.kv_dtype,
             self.device,
         )
         # One row per running request plus one for the dummy request; one column per
@@ -275,7 +282,7 @@ class Engine:
     def _pages_from_budget(self) -> int:
         mc = self.model_config
         per_page = MHAKVCache.bytes_per_page(
-            mc.num_layers, self.page_size, self.num_kv_heads, mc.head_dim, self.dtype
+            mc.num_layers, self.page_size, self.num_kv_heads, mc.head_dim, self.kv_dtype
         )
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -290,7 +297,10 @@ class Engine:
         return pages
 
     def _create_backend(self) -> BaseAttnBackend:
-        cls = select_backend(self.config.attention_backend, self.device, self.dtype, self.page_size)
+        cls = select_backend(
+            self.config.attention_backend, self.device, self.dtype, self.page_size,
+            fp8_kv=self.kv_dtype == torch.float8_e4m3fn,  # [ch28]
+        )  # fmt: skip
         scale = self.model_config.head_dim**-0.5
         return cls(self.kv_cache, self.page_table, scale, self.num_qo_heads)
 

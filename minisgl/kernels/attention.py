@@ -43,7 +43,7 @@ def _attend_block(
         K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
         mask=kv_mask,
         other=0.0,
-    )
+    ).to(q.dtype)  # an FP8 cache (chapter 28) is widened here; otherwise no-op
     s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * sm_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet (not reachable with today's callers, but cheap to
@@ -55,7 +55,7 @@ def _attend_block(
         V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
         mask=kv_mask,
         other=0.0,
-    )
+    ).to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.fp8_gemv import _round_to_e4m3  # [ch28]
+
 
 @triton.jit
 def _qk_rope_store_kernel(
@@ -60,12 +62,23 @@ def _qk_rope_store_kernel(
         kv_head = h - Q_HEADS
         slot = tl.load(out_loc + t).to(tl.int64)
         k_out = K_CACHE + slot * stride_kc_s + kv_head * stride_kc_h
-        tl.store(k_out + offs, y1, mask=mask)
-        tl.store(k_out + half + offs, y2, mask=mask)
+        tl.store(k_out + offs, _cached(y1, K_CACHE), mask=mask)
+        tl.store(k_out + half + offs, _cached(y2, K_CACHE), mask=mask)
         v_row = row + KV_HEADS * HEAD_DIM  # the value head sits KV_HEADS heads further on
         v_out = V_CACHE + slot * stride_vc_s + kv_head * stride_vc_h
-        tl.store(v_out + offs, tl.load(v_row + offs, mask=mask), mask=mask)
-        tl.store(v_out + half + offs, tl.load(v_row + half + offs, mask=mask), mask=mask)
+        v1 = tl.load(v_row + offs, mask=mask)
+        v2 = tl.load(v_row + half + offs, mask=mask)
+        tl.store(v_out + offs, _cached(v1, V_CACHE), mask=mask)
+        tl.store(v_out + half + offs, _cached(v2, V_CACHE), mask=mask)
+
+
+@triton.jit
+def _cached(x, CACHE):
+    """x in the cache's dtype. An FP8 cache (chapter 28) gets x saturated to e4m3's range
+    and rounded to the nearest value, ties to even: torch's cast, in the interpreter too."""
+    if CACHE.dtype.element_ty == tl.float8e4nv:
+        x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+    return x.to(CACHE.dtype.element_ty)
 
 
 def qk_rope_store(

@@ -58,8 +58,8 @@ class MHAKVCache:
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
     ) -> None:
-        self.k_cache(layer_id)[out_loc] = k
-        self.v_cache(layer_id)[out_loc] = v
+        self.k_cache(layer_id)[out_loc] = k.to(self.dtype)  # an FP8 cache: cast, saturating
+        self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
 
     @staticmethod
     def bytes_per_page(

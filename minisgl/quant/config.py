@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 METHODS = ("fp8",)
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}  # name -> canonical
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,23 @@ def check_quantization(method: str | None, model_path: str | None = None) -> Non
     config = Path(model_path or "") / "config.json"
     if method is not None and config.is_file():
         parse_quantization_config(json.loads(config.read_text()).get("quantization_config"))
+
+
+def check_kv_cache_dtype(name: str, attention_backend: str) -> str:
+    """The canonical name of a KV-cache dtype ("auto": the model's; "fp8_e4m3"), or a
+    ValueError for one we do not store or an attention backend that cannot read it."""
+    from minisgl.attention.registry import reads_fp8_kv
+
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype {name!r} is not supported: choose auto (the model's dtype) or fp8_e4m3"
+        )
+    if KV_CACHE_DTYPES[name] != "auto" and not reads_fp8_kv(attention_backend):
+        raise ValueError(
+            f"attention backend {attention_backend!r} does not read an FP8 KV cache: use "
+            "triton (GPU), torch or auto with kv_cache_dtype fp8_e4m3"
+        )
+    return KV_CACHE_DTYPES[name]
 
 
 def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Checkpoint | None:

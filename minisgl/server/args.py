@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from minisgl.attention.registry import backend_names
+from minisgl.quant.config import KV_CACHE_DTYPES  # [ch28]
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv_events import add_kv_events_options, kv_events_config  # [ch27]
 from minisgl.server.dp_args import Replicas, add_dp_options, check_dp_options  # [ch27]
@@ -30,6 +31,7 @@ _FIELDS = {f.name: f for f in fields(SchedulerConfig)}
 _PREFILL_GRAPHS = ["off", "breakable", "full"]  # [ch23]
 _PREFILL_HELP = "prefill CUDA graphs (default: breakable on CUDA, off on CPU)"  # [ch23]
 _FP8_HELP = "fp8: FP8 projections, a scale per row (an FP8 checkpoint loads without it)"  # [ch28]
+_KV_HELP = "fp8_e4m3 (or fp8): keys and values stored in e4m3, twice the tokens"  # [ch28]
 
 
 @dataclass
@@ -91,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("prefill_graph", choices=_PREFILL_GRAPHS, help=_PREFILL_HELP)  # [ch23]
     add_speculative_options(p)  # [ch26]
     p.config_option("quantization", choices=["fp8"], help=_FP8_HELP)  # [ch28]
+    p.config_option("kv_cache_dtype", choices=list(KV_CACHE_DTYPES), help=_KV_HELP)  # [ch28]
     p.config_option("max_prefill_length", type=int)
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")
