@@ -52,9 +52,7 @@ def add_engine_args(
         p.add_argument("--num-draft-tokens", type=int, default=8, help="with --speculative")
         p.add_argument("--draft-model", help="with --speculative draft: a smaller model folder")
         p.add_argument("--quantization", choices=["fp8"], help="fp8: FP8 weights")  # [ch28]
-        p.add_argument(
-            "--kv-cache-dtype", default="auto", help="fp8_e4m3: an FP8 KV cache"
-        )  # [ch28]
+        p.add_argument("--kv-cache-dtype", default="auto", help="fp8_e4m3: FP8 K/V")  # [ch28]
 
 
 def parse(p: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:

@@ -74,10 +74,12 @@ def _qk_rope_store_kernel(
 
 @triton.jit
 def _cached(x, CACHE):
-    """x in the cache's dtype. An FP8 cache (chapter 28) gets x saturated to e4m3's range
-    and rounded to the nearest value, ties to even: torch's cast, in the interpreter too."""
+    """x in the cache's dtype."""
+    # >>> ch28 an FP8 cache: x saturated to e4m3's range and rounded to the nearest value,
+    # ties to even, as torch's cast does (and on every GPU and the interpreter alike)
     if CACHE.dtype.element_ty == tl.float8e4nv:
         x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0))
+    # <<< ch28
     return x.to(CACHE.dtype.element_ty)
 
 
