@@ -370,10 +370,11 @@ def test_scales_follow_rows_on_every_rank(folders: dict[str, Path], name: str) -
 # ---- whole models ---------------------------------------------------------------------
 
 
-def teacher_forced(path: Path, prepare=None) -> torch.Tensor:
+def teacher_forced(path: Path, prepare=None, **kw) -> torch.Tensor:
     """Logits of a prefill and two decode steps (their projections in the FP8 GEMV, run by
-    the interpreter), every position; `prepare(model)` first, if given."""
-    engine = make_engine(path)
+    the interpreter), every position; `prepare(model)` first, if given; `kw`: engine
+    settings."""
+    engine = make_engine(path, **kw)
     if prepare is not None:
         prepare(engine.model)
     try:
@@ -599,21 +600,8 @@ def test_rope_store_writes_an_fp8_cache_as_torch_casts() -> None:
 
 
 def kv_logits(name: str, **kw) -> torch.Tensor:
-    """Teacher-forced logits (prefill and two decode steps) with the engine settings `kw`."""
-    engine = make_engine(need(TINY[name]), **kw)
-    try:
-        n = len(PROMPT) + len(DECODED)
-        req = Req(torch.tensor(PROMPT, dtype=torch.int32), 0, 0, n, 0, SamplingParams())
-        engine.page_table[0, :n] = page_slots(list(range(1, n + 1)), 1)
-        engine.token_pool[0, : len(PROMPT)] = req.input_ids
-        out = [all_logits(engine, [req], "prefill")]
-        for token in DECODED:
-            engine.token_pool[0, req.device_len] = token
-            req.append_host(token)
-            out.append(all_logits(engine, [req], "decode"))
-        return torch.cat(out)
-    finally:
-        engine.shutdown()
+    """Teacher-forced logits of a tiny model with the engine settings `kw`."""
+    return teacher_forced(need(TINY[name]), **kw)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test (fp32, both backends)")
