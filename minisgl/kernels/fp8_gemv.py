@@ -16,7 +16,13 @@ load of a scale per column rather than per weight.
 
 `quantize_groups` is one half of the FP8 matmul that larger batches use (torch's
 `_scaled_mm`): it maps each row of activations, or each group of its columns, into FP8's
-range with a scale of its own, one program per group.
+range with a scale of its own, one program per group (with a residual add and RMSNorm in
+front, where a norm was deferred to the projection).
+
+`fp8_mma_gemv` is the other way to a few rows: x quantised per row too, then W streamed
+through the tensor cores against x's rows padded to 16. Where the GEMV's partial sums do not
+fit in registers (a gated projection, several rows) it is the faster; the start-up
+measurement (engine/kernel_choice.py) decides per projection and row count.
 """
 
 from __future__ import annotations
@@ -309,7 +315,7 @@ def _fp8_mma_gemv_kernel(
 MMA_MAX_ROWS = 16  # rows of x the tensor-core GEMV takes (the narrow side of its product)
 
 
-def fp8_mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
+def fp8_mma_candidates(n: int, k: int) -> list[MmaBlocks]:
     """The launches the start-up measurement tries, from the H200 sweep of Qwen3-8B's
     projections at one row (the best three for gate_up and the LM head); only those whose
     blocks divide the shape."""

@@ -224,7 +224,7 @@ def choice_candidates(
         label = "fp8 gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"
         runs[label] = (blocks, gemv(blocks))
     if row_scales and m <= kernels.MMA_MAX_ROWS:  # the tensor cores: x quantised too
-        for blocks in kernels.fp8_mma_candidates(key.n, key.k, key.gated):
+        for blocks in kernels.fp8_mma_candidates(key.n, key.k):
             label = "fp8 gemv mma " + "x".join(map(str, blocks[:2])) + "w{}s{}".format(*blocks[2:])
             runs[label] = (blocks, mma(blocks))
     return runs
