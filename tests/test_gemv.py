@@ -105,12 +105,12 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
     calls = {"plain": 0, "gated": 0, "normed": 0}
     head = {"rows": 0}  # the LM head's rows (the vocabulary) of the model being run
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, pdl="off"):
         if weight.size(0) == head["rows"]:  # the LM head: left to the matmul library
             return F.linear(x, weight, bias)
         calls["gated" if gated else "plain"] += 1
         calls["normed"] += norm is not None
-        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
+        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl)
 
     def forced(x):
         return counted if x.dim() == 2 and x.size(0) == 1 else None

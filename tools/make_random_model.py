@@ -93,6 +93,21 @@ SHAPES = {
         tie_word_embeddings=False,
         max_position_embeddings=40960,
     ),
+    # Llama-3.2-1B: the shape of the field's published batch-1 figures on the H200. Its
+    # checkpoint scales RoPE (rope_type llama3); speed does not depend on that, so plain RoPE.
+    "llama-3.2-1b": dict(
+        arch="LlamaForCausalLM",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        max_position_embeddings=131072,
+    ),
     "smollm2-135m": dict(
         arch="LlamaForCausalLM",
         hidden_size=576,

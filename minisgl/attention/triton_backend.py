@@ -23,6 +23,7 @@ from minisgl.utils import to_device
 if TYPE_CHECKING:
     from minisgl.core import Batch
     from minisgl.kvcache.mha_pool import MHAKVCache
+    from minisgl.layers.attention import AttentionLayer
 
 
 @dataclass
@@ -108,6 +109,37 @@ class TritonAttnBackend(BaseAttnBackend):
             md.qo_indptr,
             md.max_extend_len,
             self.scale,
+        )
+
+    def decode_from_qkv(
+        self, layer: AttentionLayer, qkv: torch.Tensor, batch: Batch
+    ) -> torch.Tensor | None:
+        """A decode step's attention from the layer's qkv in one kernel (rotary, KV store,
+        split-KV attention and merge: kernels/fused_decode.py)."""
+        from minisgl.kernels.fused_decode import decode_attention_qkv
+        from minisgl.kernels.pdl import pdl_enabled
+
+        md = batch.attn_metadata
+        assert isinstance(md, TritonMetadata) and md.max_extend_len == 1
+        norms = hasattr(layer, "q_norm")
+        return decode_attention_qkv(
+            qkv,
+            batch.positions,
+            layer.rotary.cos_sin,
+            layer.q_norm.weight if norms else None,
+            layer.k_norm.weight if norms else None,
+            layer.q_norm.eps if norms else 0.0,
+            self.kv_cache.k_cache(layer.layer_id),
+            self.kv_cache.v_cache(layer.layer_id),
+            batch.out_loc,
+            self.page_table,
+            md.rows,
+            md.seq_lens,
+            self.scale,
+            layer.num_heads,
+            layer.num_kv_heads,
+            layer.head_dim,
+            pdl=pdl_enabled(qkv),
         )
 
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:

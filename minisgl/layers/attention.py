@@ -15,7 +15,7 @@ from minisgl.core import (
 )
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
-from minisgl.layers.triton_ops import rope_store  # [ch20]
+from minisgl.layers.triton_ops import decode_from_qkv, rope_store  # [ch20]
 
 
 class AttentionLayer(nn.Module):
@@ -39,6 +39,8 @@ class AttentionLayer(nn.Module):
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # >>> ch20 on a GPU, one kernel from qkv to rotated q, with k and v already stored
+        if (out := decode_from_qkv(self, qkv)) is not None:  # or to the attention output
+            return out.reshape(-1, q_size)
         if (q := rope_store(self, qkv)) is not None:
             return self.attend(q, None, None).reshape(-1, q_size)
         # <<< ch20

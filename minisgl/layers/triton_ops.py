@@ -89,6 +89,17 @@ def rope_store(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
     )
 
 
+def decode_from_qkv(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
+    """A decode batch's attention output [tokens, heads, head_dim] straight from qkv, in one
+    kernel that also does what `rope_store` does (`kernels/fused_decode.py`), where the
+    backend has that kernel (ours); else None."""
+    if rope_store_kernel(qkv) is None or not ENV.FUSED_DECODE.value:
+        return None
+    ctx = get_global_ctx()
+    attend = getattr(ctx.attn_backend, "decode_from_qkv", None)
+    return attend(layer, qkv, ctx.batch) if attend is not None and ctx.batch.is_decode else None
+
+
 @dataclass(frozen=True)
 class GemvKey:
     """A projection as the GEMV sees it: what its speed depends on besides the rows."""
@@ -188,10 +199,11 @@ def gemv_projection(
         if not normed:
             return None if _recording is None else _library(x, weight, bias, gated)
         return _library(x.compute(), weight, bias, gated)
+    pdl = _triton_kernel("pdl", "pdl_mode")(rows)
     if normed:
         norm = (x.residual, x.residual_out, x.weight, x.eps)
-        return kernel(x.x, weight, bias, blocks=blocks, gated=gated, norm=norm)
-    return kernel(x, weight, bias, blocks=blocks, gated=gated)
+        return kernel(x.x, weight, bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl)
+    return kernel(x, weight, bias, blocks=blocks, gated=gated, pdl=pdl)
 
 
 def _library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool):

@@ -1,0 +1,216 @@
+"""Decode attention from qkv in one kernel: head norms, rotary, the KV store, split-KV
+attention and the merge of the splits.
+
+At batch 1 the work between the qkv projection and o_proj is a few kilobytes: one query
+row per head and a few hundred keys. Done as three kernels (`rope_store`, the split-KV
+pass, the merge) it costs three launches' fixed time, several microseconds each, for
+almost no bytes. Here each (request, KV head, split) program does all of it:
+
+- it reads its query heads straight from qkv and normalises (Qwen3) and rotates them in
+  registers; channel d's partner in the "neox" rotation is d + head_dim / 2 (mod
+  head_dim), so a head is rotated as q * cos + sign * q[partner] * sin, with no halves;
+- the one program whose range of keys holds the new token rotates its key and stores it
+  and its value in the KV pool, then reads them back with the rest (a barrier between
+  the store and the loads makes the block see its own writes);
+- every program writes its partial output and log-sum-exp, then adds one to a counter of
+  its (request, KV head); the program that finds it was the last merges the partials of
+  all splits and resets the counter for the next step. No second kernel waits for the
+  first to finish.
+
+Splits hold at least BLOCK_N keys, so a short context uses a few of them and the merge
+reads only those. Numbers follow the three-kernel path (the same roundings to the model
+dtype); only the split boundaries, and so fp32 summation order, differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.attention import DECODE_BLOCK_N, _attend_block, decode_num_splits
+from minisgl.kernels.pdl import pdl_launch, pdl_wait
+from minisgl.kernels.rope_store import _cached
+
+
+@triton.jit
+def _rotated_heads(
+    row, heads, h_mask, offs_d, partner, sign, cos, sin, weight, eps,
+    HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
+):  # fmt: skip
+    """Heads of one token's qkv ([BLOCK_H, BLOCK_D], masked rows zero), normed and rotated,
+    in the model dtype, rounded between the steps as the unfused layers round."""
+    mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    ptrs = row + heads[:, None] * HEAD_DIM
+    x = tl.load(ptrs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    dtype = row.dtype.element_ty
+    if QK_NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(weight + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+        wp = tl.load(weight + partner, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
+        x = ((x * rstd).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * wp[None, :]).to(dtype).to(tl.float32)
+    return (x * cos[None, :] + sign[None, :] * xp * sin[None, :]).to(dtype)
+
+
+@triton.jit
+def _load_cg(ptrs, mask):
+    """Another program's writes, read past this SM's L1 (which may hold stale lines)."""
+    return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _decode_qkv_kernel(
+    QKV, K, V, Out, PageTable, Rows, SeqLens, Positions, OutLoc, CosSin, QW, KW, eps,
+    OutPartial, LsePartial, Counters, sm_scale,
+    stride_t, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_cs,
+    stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pdl_wait(PDL)
+    seq_len = tl.load(SeqLens + b)
+    row = tl.load(Rows + b).to(tl.int64)
+    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N)
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    half: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    partner = (offs_d + half) % HEAD_DIM
+    sign = tl.where(offs_d < half, -1.0, 1.0)
+    pos = tl.load(Positions + b).to(tl.int64)
+    cos = tl.load(CosSin + pos * stride_cs + offs_d % half, mask=d_mask, other=0.0)
+    sin = tl.load(CosSin + pos * stride_cs + half + offs_d % half, mask=d_mask, other=0.0)
+    qkv = QKV + b * stride_t
+    offs_h = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + offs_h
+    h_mask = offs_h < GROUP
+    q = _rotated_heads(
+        qkv, heads, h_mask, offs_d, partner, sign, cos, sin, QW, eps, HEAD_DIM, QK_NORM
+    )
+
+    if (start < seq_len) & (seq_len <= end):  # the new token's key is in this range
+        first = offs_h == 0
+        k = _rotated_heads(
+            qkv, Q_HEADS + kv_head + 0 * offs_h, first, offs_d, partner, sign, cos, sin, KW,
+            eps, HEAD_DIM, QK_NORM,
+        )  # fmt: skip
+        slot = tl.load(OutLoc + b).to(tl.int64)
+        store = first[:, None] & d_mask[None, :]
+        at = slot * stride_ks + kv_head * stride_kh + 0 * offs_h[:, None] + offs_d[None, :]
+        tl.store(K + at, _cached(k, K), mask=store)
+        v_ptrs = qkv + (Q_HEADS + KV_HEADS + kv_head) * HEAD_DIM + 0 * offs_h[:, None]
+        v = tl.load(v_ptrs + offs_d[None, :], mask=store, other=0.0)
+        at = slot * stride_vs + kv_head * stride_vh + 0 * offs_h[:, None] + offs_d[None, :]
+        tl.store(V + at, _cached(v, V), mask=store)
+        tl.debug_barrier()  # the loads below read this key back
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
+            n_mask[:, None] & d_mask[None, :], n_mask[None, :], sm_scale, m_i, l_i, acc, IEEE,
+        )  # fmt: skip
+
+    out_mask = h_mask[:, None] & d_mask[None, :]
+    out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        partial = OutPartial + b * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
+        tl.store(partial + split * stride_ps, out, mask=out_mask)
+        lse_ptrs = LsePartial + b * stride_lb + heads * stride_lh
+        tl.store(lse_ptrs + split, lse, mask=h_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        counter = Counters + b * KV_HEADS + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last one
+            used = tl.cdiv(seq_len, per_split)
+            top = tl.full([BLOCK_H], float("-inf"), tl.float32)
+            for s in range(0, used):
+                top = tl.maximum(top, _load_cg(lse_ptrs + s, h_mask))
+            total = tl.zeros([BLOCK_H], tl.float32)
+            merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+            for s in range(0, used):
+                w = tl.exp(_load_cg(lse_ptrs + s, h_mask) - top)
+                merged += _load_cg(partial + s * stride_ps, out_mask) * w[:, None]
+                total += w
+            tl.store(out_ptrs, (merged / total[:, None]).to(Out.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next step (and the next graph replay)
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (request, KV head), kept zero by the kernel itself.
+    One buffer per device, made before any graph capture (the first decode step is eager),
+    so a captured graph and eager steps count in the same place; kernels that use it run
+    one after another on one stream."""
+    buf = _counters.get(device)
+    if buf is None or buf.numel() < n:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), (
+            "the split counters must exist before a CUDA graph is captured"
+        )
+        buf = _counters[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32, device=device)
+    return buf
+
+
+def decode_attention_qkv(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out_loc: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sm_scale: float,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    pdl: bool = False,
+) -> torch.Tensor:
+    """One decode token per request: qkv [bs, (q_heads + 2 kv_heads) * head_dim] ->
+    attention output [bs, q_heads, head_dim]; each token's key (rotated, and normed with
+    q/k_weight) and value are stored at out_loc on the way. Equal to `qk_rope_store`
+    followed by `decode_attention`."""
+    assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and q_heads % kv_heads == 0
+    bs, group = qkv.size(0), q_heads // kv_heads
+    splits = decode_num_splits(bs, kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    out = torch.empty(bs, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    partial = torch.empty(bs, q_heads, splits, head_dim, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(bs, q_heads, splits, dtype=torch.float32, device=qkv.device)
+    counters = _split_counters(qkv.device, bs * kv_heads)
+    qk_norm = q_weight is not None
+    _decode_qkv_kernel[(bs, kv_heads, splits)](
+        qkv, k_cache, v_cache, out, page_table, rows, seq_lens, positions, out_loc, cos_sin,
+        q_weight if qk_norm else cos_sin, k_weight if qk_norm else cos_sin, eps,
+        partial, lse, counters, sm_scale,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), page_table.stride(0), cos_sin.stride(0),
+        out.stride(0), out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
+        lse.stride(0), lse.stride(1),
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, QK_NORM=qk_norm,
+        IEEE=qkv.dtype == torch.float32, num_warps=2 if bs >= 8 else 4, **pdl_launch(pdl),
+    )  # fmt: skip
+    return out
