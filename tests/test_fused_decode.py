@@ -57,10 +57,10 @@ def test_one_kernel_equals_rope_store_then_decode_attention(hq, hkv, d, norm, bs
     v_cache = torch.randn(slots, hkv, d, generator=gen)
     scale = d**-0.5
 
-    def run(fused: bool):
-        kc, vc = k_cache.clone().to(DEV), v_cache.clone().to(DEV)
-        args = [t.to(DEV) if t is not None else None for t in (qkv, positions, rope.cos_sin)]
-        w = [t.to(DEV) if t is not None else None for t in weights]
+    def run(fused: bool, dtype: torch.dtype = torch.float32):
+        kc, vc = k_cache.clone().to(DEV, dtype), v_cache.clone().to(DEV, dtype)
+        args = [qkv.to(DEV, dtype), positions.to(DEV), rope.cos_sin.to(DEV)]
+        w = [t.to(DEV, dtype) if t is not None else None for t in weights]
         meta = [t.to(DEV) for t in (out_loc, table, rows, seq_lens.to(torch.int32))]
         if fused:
             out = decode_attention_qkv(*args, *w, 1e-6, kc, vc, *meta, scale, hq, hkv, d)
@@ -77,6 +77,10 @@ def test_one_kernel_equals_rope_store_then_decode_attention(hq, hkv, d, norm, bs
     assert changed.nonzero().flatten().tolist() == sorted(out_loc.tolist())
     if decode_num_splits(bs, hkv) > 1:
         assert not fused_decode._counters[DEV].any(), "the counters are zero again"
+    if DEV.type == "cuda":  # the model dtype, as a GPU runs it
+        want, got = run(False, torch.bfloat16), run(True, torch.bfloat16)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")

@@ -10,8 +10,16 @@ captured for the measured batch sizes only.
 `--gemv auto,off` runs the graphs once per MINISGL_GEMV setting (our GEMV where the start-up
 measurement chose it, and never), side by side.
 
+`--variants` compares settings of MINISGL_* knobs instead, each a name and its knobs
+(`three:FUSED_DECODE=0;one:FUSED_DECODE=1,PDL=on`), over `--rounds` rounds that take the
+variants in turn (ABAB...), each a fresh engine: the first engine of a process pays
+compiles that later ones find cached, so only alternation makes the sides comparable.
+It prints every round's figures and their mean, ratios to the first variant.
+
     python tools/bench_latency.py --model /tmp/qwen3-0.6b --plot docs/decode_step.png
     python tools/bench_latency.py --model /tmp/qwen3-8b --gemv auto,off --skip-hf --skip-eager
+    python tools/bench_latency.py --model /tmp/llama-1b --input-len 32 --output-len 128 \
+        --batch-sizes 1,8 --variants "three:FUSED_DECODE=0;one:FUSED_DECODE=1" --rounds 2
 """
 
 from __future__ import annotations
@@ -166,6 +174,8 @@ def main() -> None:
     p.add_argument("--skip-eager", action="store_true", help="minisgl with CUDA graphs only")
     p.add_argument("--gemv", default="auto", help="MINISGL_GEMV settings to run, e.g. auto,off")
     p.add_argument("--prefill-graph", help="off: no prefill graphs (decode is what is timed)")
+    p.add_argument("--variants", help="NAME:KNOB=V,KNOB=V;NAME:...: MINISGL_* settings, ABAB")
+    p.add_argument("--rounds", type=int, default=2, help="with --variants: rounds of them all")
     args = parse(p)
     args.batch_sizes = args.batch_sizes or [1, 8, 32, 128, 256]
     modes = args.gemv.split(",")
@@ -183,6 +193,8 @@ def main() -> None:
     )
     from minisgl.env import ENV
 
+    if args.variants:
+        return compare_variants(args, prompts, weights, parse_variants(args.variants))
     results = {}
     for mode in modes:  # the first is "graphs", the rest "graphs, GEMV <mode>"
         ENV.GEMV.value = mode
@@ -242,6 +254,75 @@ def main() -> None:
             json.dump(results, f, indent=1, default=str)
     if args.plot:
         plot(args, results)
+
+
+def parse_variants(spec: str) -> dict[str, dict[str, str]]:
+    """ "a:X=1,Y=on;b:X=0" -> {"a": {"X": "1", "Y": "on"}, "b": {"X": "0"}}, knobs checked."""
+    from minisgl.env import ENV
+
+    variants = {}
+    for item in filter(None, (v.strip() for v in spec.split(";"))):
+        name, _, knobs = item.partition(":")
+        settings = dict(kv.split("=", 1) for kv in filter(None, knobs.split(",")))
+        for knob in settings:
+            if not hasattr(ENV, knob):
+                raise SystemExit(f"--variants: MINISGL_{knob} is not a knob of minisgl.env")
+        variants[name] = settings
+    return variants
+
+
+def set_knobs(settings: dict[str, str]) -> None:
+    from minisgl.env import ENV
+
+    for knob, raw in settings.items():
+        var = getattr(ENV, knob)
+        kind = type(var.default)
+        if kind is bool or var.default is None:
+            var.value = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            var.value = kind(raw)
+
+
+def compare_variants(
+    args: argparse.Namespace, prompts: Prompts, weights: int, variants: dict[str, dict[str, str]]
+) -> None:
+    from minisgl.env import ENV
+
+    saved = {k: getattr(ENV, k).value for v in variants.values() for k in v}
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for r in range(args.rounds):
+        for name, settings in variants.items():
+            set_knobs(settings)
+            runs[name].append(bench_minisgl(args, prompts, True))
+            res = runs[name][-1]
+            steps = ", ".join(f"bs {b} {res['steps'][b][0]:.3f}" for b in args.batch_sizes)
+            print(f"round {r + 1} {name}: batch 1 {res['batch1_ms']:.3f} ms/token; {steps} ms/step")
+    for knob, value in saved.items():
+        getattr(ENV, knob).value = value
+    mean = {
+        name: {
+            "batch1_ms": statistics.mean(x["batch1_ms"] for x in rs),
+            **{bs: statistics.mean(x["steps"][bs][0] for x in rs) for bs in args.batch_sizes},
+        }
+        for name, rs in runs.items()
+    }
+    first = next(iter(mean))
+    print(
+        f"\nmeans of {args.rounds} alternating rounds; batch 1: {args.output_len} tokens out, "
+        f"prompt {args.input_len}; ratio = first variant's time / this one's\n"
+    )
+    print("| variant | knobs | batch 1 ms/token | weights GB/s | vs " + first + " |"
+          + "".join(f" bs {b} ms/step |" for b in args.batch_sizes)
+          + "\n|---|---|---|---|---|" + "---|" * len(args.batch_sizes))  # fmt: skip
+    for name, m in mean.items():
+        knobs = " ".join(f"{k}={v}" for k, v in variants[name].items())
+        ms = m["batch1_ms"]
+        cells = "".join(f" {m[b]:.3f} |" for b in args.batch_sizes)
+        print(f"| {name} | {knobs} | {ms:.3f} | {weights / ms / 1e6:.0f} "
+              f"| {mean[first]['batch1_ms'] / ms:.3f}x |{cells}")  # fmt: skip
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"variants": variants, "runs": runs, "mean": mean}, f, indent=1, default=str)
 
 
 def plot(args: argparse.Namespace, results: dict) -> None:
