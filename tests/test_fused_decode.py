@@ -71,7 +71,7 @@ def test_one_kernel_equals_rope_store_then_decode_attention(hq, hkv, d, norm, bs
 
     want, got = run(False), run(True)
     torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=0)  # the rotated new keys
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)  # the rotated new keys
     torch.testing.assert_close(got[2], want[2], atol=0, rtol=0)  # values, as they were
     changed = (got[1] != k_cache).any(-1).any(-1)
     assert changed.nonzero().flatten().tolist() == sorted(out_loc.tolist())

@@ -58,14 +58,25 @@ def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> 
 
 def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     """logits: [bs, vocab] fp32 -> next tokens [bs] int32."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if args.greedy:
         return greedy_tokens.to(torch.int32)
     assert args.seeds is not None and args.positions is not None and args.is_greedy is not None
     logits = warp(logits, args)
     noise = gumbel_noise(args.seeds, args.positions, logits.size(-1))
-    sampled = (logits + noise).argmax(dim=-1)
+    sampled = argmax(logits + noise)
     return torch.where(args.is_greedy, greedy_tokens, sampled).to(torch.int32)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's maximum: [bs, vocab] -> [bs] int64."""
+    # >>> ch20 on a GPU, our two-pass kernel: torch's reads a whole row with one SM
+    from minisgl.layers.triton_ops import triton_argmax
+
+    if (kernel := triton_argmax(logits)) is not None:
+        return kernel(logits)
+    # <<< ch20
+    return logits.argmax(dim=-1)
 
 
 def warp(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:

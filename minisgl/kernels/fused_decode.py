@@ -17,9 +17,11 @@ almost no bytes. Here each (request, KV head, split) program does all of it:
   all splits and resets the counter for the next step. No second kernel waits for the
   first to finish.
 
-Splits hold at least BLOCK_N keys, so a short context uses a few of them and the merge
-reads only those. Numbers follow the three-kernel path (the same roundings to the model
-dtype); only the split boundaries, and so fp32 summation order, differ.
+Splits hold at least MIN_SPLIT_KEYS keys, so a short context uses a few of them (the
+others return at once) and one of at most that many keys is a single split that writes
+the output itself, with no partials, count or merge. Numbers follow the three-kernel path
+(the same roundings to the model dtype); only the split boundaries, and so the order of
+fp32 sums, differ.
 """
 
 from __future__ import annotations
@@ -68,13 +70,17 @@ def _decode_qkv_kernel(
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, QK_NORM: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, QK_NORM: tl.constexpr,
+    IEEE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_wait(PDL)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(Rows + b).to(tl.int64)
-    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT)
+    used = tl.cdiv(seq_len, per_split)  # splits that hold keys; the rest have nothing to do
+    if split >= used:
+        return
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -94,7 +100,7 @@ def _decode_qkv_kernel(
         qkv, heads, h_mask, offs_d, partner, sign, cos, sin, QW, eps, HEAD_DIM, QK_NORM
     )
 
-    if (start < seq_len) & (seq_len <= end):  # the new token's key is in this range
+    if seq_len == end:  # the new token's key is in this range
         first = offs_h == 0
         k = _rotated_heads(
             qkv, Q_HEADS + kv_head + 0 * offs_h, first, offs_d, partner, sign, cos, sin, KW,
@@ -126,7 +132,7 @@ def _decode_qkv_kernel(
     out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
+    if used == 1:
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
     else:
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -136,8 +142,7 @@ def _decode_qkv_kernel(
         tl.store(lse_ptrs + split, lse, mask=h_mask)
         tl.debug_barrier()  # every thread's partial is written before the count says so
         counter = Counters + b * KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:  # the last one
-            used = tl.cdiv(seq_len, per_split)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:  # the last one
             top = tl.full([BLOCK_H], float("-inf"), tl.float32)
             for s in range(0, used):
                 top = tl.maximum(top, _load_cg(lse_ptrs + s, h_mask))
@@ -150,6 +155,11 @@ def _decode_qkv_kernel(
             tl.store(out_ptrs, (merged / total[:, None]).to(Out.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(counter, 0)  # ready for the next step (and the next graph replay)
 
+
+# A split holds at least this many keys: below it, the partials' store, the count and the
+# merge cost more than the keys a split saves. A context of at most this many keys is one
+# split that writes the output itself.
+MIN_SPLIT_KEYS = 2 * DECODE_BLOCK_N
 
 _counters: dict[torch.device, torch.Tensor] = {}
 
@@ -210,7 +220,8 @@ def decode_attention_qkv(
         lse.stride(0), lse.stride(1),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, QK_NORM=qk_norm,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
+        QK_NORM=qk_norm,
         IEEE=qkv.dtype == torch.float32, num_warps=2 if bs >= 8 else 4, **pdl_launch(pdl),
     )  # fmt: skip
     return out

@@ -89,6 +89,13 @@ def rope_store(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
     )
 
 
+def triton_argmax(logits: torch.Tensor) -> Callable | None:
+    """`kernels.argmax.argmax_rows` for fp32 logits on CUDA, else None."""
+    if not (logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1):
+        return None
+    return _triton_kernel("argmax", "argmax_rows") if ENV.FUSED_KERNELS.value else None
+
+
 def decode_from_qkv(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
     """A decode batch's attention output [tokens, heads, head_dim] straight from qkv, in one
     kernel that also does what `rope_store` does (`kernels/fused_decode.py`), where the

@@ -26,12 +26,13 @@ nvidia-smi -L | tee -a "$OUT/run.log"
 [ -d "$MODEL" ] || python3 tools/make_random_model.py --shape "$SHAPE" --out "$MODEL" \
     --tokenizer-from "$TOKENIZER_FROM" --device cuda 2>&1 | tail -2 | tee -a "$OUT/run.log"
 if [ "$TESTS" = 1 ]; then
-  python3 -m pytest -q -x tests/test_fused_decode.py tests/test_gemv.py 2>&1 | tail -3 | tee -a "$OUT/run.log"
+  python3 -m pytest -q -x tests/test_fused_decode.py tests/test_argmax.py tests/test_gemv.py 2>&1 \
+      | tail -25 | tee -a "$OUT/run.log"
 fi
 python3 tools/bench_latency.py --model "$MODEL" --skip-hf --skip-eager --input-len "$IN_LEN" \
     --output-len "$OUT_LEN" --batch-sizes "$BATCHES" --step-tokens 64 --variants "$VARIANTS" \
-    --rounds "$ROUNDS" --output-json "$OUT/variants_$SHAPE.json" 2>&1 \
-    | grep -v -E "^\[|it/s|Warning" | tee -a "$OUT/run.log"
+    --rounds "$ROUNDS" --output-json "$OUT/variants_$SHAPE.json" > "$OUT/bench_$SHAPE.log" 2>&1
+grep -v -E "^\[|it/s|Warning" "$OUT/bench_$SHAPE.log" | tee -a "$OUT/run.log"
 IFS=';' read -ra profs <<< "$PROFILES"
 for prof in "${profs[@]}"; do
   envs=$(echo "$prof" | tr ',' '\n' | sed 's/^/MINISGL_/' | tr '\n' ' ')
