@@ -34,19 +34,20 @@ MODELS = {**MODELS, "tiny": dict(hidden_size=64, intermediate_size=96, num_hidde
           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)}  # fmt: skip
 
 
-def projections(spec: dict) -> dict[str, tuple[GemvKey, int]]:
-    """name -> (the GEMV's view of the projection, how many a decode step runs)."""
+def projections(spec: dict, normed: bool = False) -> dict[str, tuple[GemvKey, int]]:
+    """name -> (the GEMV's view of the projection, how many a decode step runs). normed: as
+    the engine records them, the residual add and RMSNorm before qkv and gate_up folded in."""
     h, layers, hd = spec["hidden_size"], spec["num_hidden_layers"], spec["head_dim"]
     q, kv = spec["num_attention_heads"] * hd, spec["num_key_value_heads"] * hd
     out = {
-        "qkv": (GemvKey(q + 2 * kv, h, False, False, False), layers),
+        "qkv": (GemvKey(q + 2 * kv, h, False, normed, False), layers),
         "o": (GemvKey(h, q, False, False, False), layers),
     }
     if "num_experts" in spec:  # every layer a mixture of experts: the router is the projection
         out["router"] = (GemvKey(spec["num_experts"], h, False, False, False), layers)
     else:
         inter = spec["intermediate_size"]
-        out["gate_up"] = (GemvKey(inter, h, True, False, False), layers)
+        out["gate_up"] = (GemvKey(inter, h, True, normed, False), layers)
         out["down"] = (GemvKey(h, inter, False, False, False), layers)
     out["lm_head"] = (GemvKey(spec["vocab_size"], h, False, False, False), 1)
     return out
@@ -89,10 +90,11 @@ def sweep(key: GemvKey, weights: list[torch.Tensor], m: int, time_it) -> dict[tu
     from minisgl.kernels.gemv import gemv
 
     x = torch.randn(m, key.k, device=weights[0].device, dtype=weights[0].dtype)
+    norm = (torch.randn_like(x), torch.empty_like(x), torch.ones_like(x[0]), 1e-6)
 
     def run(blocks: tuple[int, int, int, int]) -> None:
         for w in weights:
-            gemv(x, w, blocks=blocks, gated=key.gated)
+            gemv(x, w, blocks=blocks, gated=key.gated, norm=norm if key.normed else None)
 
     return {
         b: time_it(str(b), lambda b=b: run(b)) / len(weights) * 1e6 for b in sweep_blocks(m, key)
@@ -107,6 +109,7 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="also every block shape, at --sweep-rows")
     p.add_argument("--sweep-rows", default="1")
     p.add_argument("--min-bytes", type=float, default=512e6, help="weights per shape at least")
+    p.add_argument("--normed", action="store_true", help="qkv and gate_up with their norm folded")
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--output-json")
     args = parse(p)
@@ -122,9 +125,10 @@ def main() -> None:
     for model in args.models.split(","):
         step: dict[int, list[float]] = {m: [0.0, 0.0] for m in rows_list}  # library, chosen
         nbytes = 0
-        for layer, (key, count) in projections(MODELS[model]).items():
+        for layer, (key, count) in projections(MODELS[model], args.normed).items():
             weights = weights_for(key, dtype, device, args.min_bytes)
-            call = ProjectionCall(key, weights[0], None, None, 0.0)
+            norm_weight = torch.ones(key.k, device=device, dtype=dtype) if key.normed else None
+            call = ProjectionCall(key, weights[0], None, norm_weight, 1e-6)
             size = weights[0].nbytes
             nbytes += size * count
             for m in rows_list:
