@@ -62,7 +62,7 @@ class _Env:
         # decode attention from qkv in one kernel (rotary, KV store, splits and their merge)
         self.FUSED_DECODE = EnvVar.read("FUSED_DECODE", True)
         # programmatic dependent launch of our kernels on Hopper and newer (kernels/pdl.py)
-        self.PDL = EnvVar.read("PDL", "off", choices=("off", "on", "early"))
+        self.PDL = EnvVar.read("PDL", "off", choices=("off", "on"))
         # <<< ch20
 
 

@@ -105,7 +105,7 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
     calls = {"plain": 0, "gated": 0, "normed": 0}
     head = {"rows": 0}  # the LM head's rows (the vocabulary) of the model being run
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, pdl="off"):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, pdl=False):
         if weight.size(0) == head["rows"]:  # the LM head: left to the matmul library
             return F.linear(x, weight, bias)
         calls["gated" if gated else "plain"] += 1

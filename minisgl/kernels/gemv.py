@@ -34,7 +34,6 @@ def _gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-    EARLY: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N].
     # NORM: the input is RMSNorm(x + r) with weight NW; program 0 also writes x + r to R_OUT.
@@ -52,24 +51,13 @@ def _gemv_kernel(
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    # EARLY (with PDL): the first block of W, which no kernel writes, is read before waiting
-    # for the kernel before this one, so its loads overlap that kernel's end.
-    if EARLY:
-        w0 = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-        if GATED:
-            u0 = tl.load(up_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
         k_mask = rk < K - k
         x_mask = m_mask[:, None] & k_mask[None, :]
-        if EARLY and k == 0:
-            w = w0
-            if GATED:
-                u = u0
-        else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if GATED:
-                u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if GATED:
+            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(X + x_offs, mask=x_mask, other=0.0)
         if NORM:  # x + r, rounded to the model dtype as the unfused add is
             x = x.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
@@ -143,7 +131,7 @@ def gemv(
     blocks: Blocks | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    pdl: str = "off",
+    pdl: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
 
@@ -152,8 +140,7 @@ def gemv(
     norm = (residual, residual_out, norm_weight, eps): the input is RMSNorm(x + residual)
     instead of x (the residual add and the norm before a projection, in the same kernel),
     and x + residual is written to residual_out, a tensor of x's shape apart from both.
-    pdl: off, on (launched with programmatic dependent launch, waiting first) or early (the
-    first block of weights read before the wait); kernels/pdl.py."""
+    pdl: launched with programmatic dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
     assert m <= MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
@@ -170,7 +157,6 @@ def gemv(
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm is not None, num_warps=warps, EARLY=pdl == "early",
-        **pdl_launch(pdl != "off"),
+        GATED=gated, NORM=norm is not None, num_warps=warps, **pdl_launch(pdl),
     )  # fmt: skip
     return y

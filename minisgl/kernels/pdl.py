@@ -7,14 +7,13 @@ the blocks of the second: a few microseconds per kernel for no work. A kernel la
 with `launch_pdl=True` is put on the SMs as soon as every block of the one before has
 signalled (`gdc_launch_dependents`), and waits inside (`gdc_wait`) until that kernel has
 completed and its writes are visible. Waiting first, before any load or store, keeps
-every kernel's reads and writes in stream order; what overlaps is only the launch and
-what a kernel does before its wait (a GEMV's first loads of weights, which no kernel
-writes).
+every kernel's reads and writes in stream order; what overlaps is the launch and the
+spreading of blocks over the SMs.
 
 Every kernel launched this way must wait before it touches what earlier kernels write;
 one that never waits must not be launched this way. `MINISGL_PDL` chooses it: off (plain
-launches), on, or early: the GEMV also reads its first block of weights before its wait.
-The interpreter on a CPU never takes it.
+launches) or on. Reading a GEMV's first weights before its wait (they are written by no
+kernel) was measured too, and made the step slower. The interpreter never takes it.
 """
 
 from __future__ import annotations
@@ -39,17 +38,12 @@ def pdl_wait(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-def pdl_mode(x: torch.Tensor) -> str:
-    """How kernels working on `x` are launched: "off", "on" or "early" (`MINISGL_PDL` where
-    the GPU has programmatic dependent launch, else "off")."""
-    if ENV.PDL.value == "off" or gdc_wait is None or not x.is_cuda:
-        return "off"
-    return ENV.PDL.value if torch.cuda.get_device_capability(x.device) >= (9, 0) else "off"
-
-
 def pdl_enabled(x: torch.Tensor) -> bool:
-    """Whether kernels working on `x` are launched with programmatic dependent launch."""
-    return pdl_mode(x) != "off"
+    """Whether kernels working on `x` are launched with programmatic dependent launch:
+    MINISGL_PDL=on, on a GPU that has it."""
+    if ENV.PDL.value == "off" or gdc_wait is None or not x.is_cuda:
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 def pdl_launch(pdl: bool) -> dict:

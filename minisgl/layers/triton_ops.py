@@ -206,7 +206,7 @@ def gemv_projection(
         if not normed:
             return None if _recording is None else _library(x, weight, bias, gated)
         return _library(x.compute(), weight, bias, gated)
-    pdl = _triton_kernel("pdl", "pdl_mode")(rows)
+    pdl = _triton_kernel("pdl", "pdl_enabled")(rows)
     if normed:
         norm = (x.residual, x.residual_out, x.weight, x.eps)
         return kernel(x.x, weight, bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl)
