@@ -134,6 +134,7 @@ class _Wrapper:
             self.indptr, self.indices = paged_kv_indptr_buffer, paged_kv_indices_buffer
             self.last = paged_kv_last_page_len_buffer
         self.plans = 0
+        self.window_left = -1  # FlashInfer's: a query at p sees keys p - window_left .. p
 
     def _take(self, indptr, indices, last, num_qo_heads, num_kv_heads, page_size, sm_scale):
         for t in (indptr, indices, last):
@@ -167,6 +168,8 @@ class _Wrapper:
             n_q = qo[i + 1] - qo[i]
             q_pos = torch.arange(n_kv - n_q, n_kv)
             mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]
+            if self.window_left >= 0:  # [ch29]
+                mask &= torch.arange(n_kv)[None, :] >= q_pos[:, None] - self.window_left  # [ch29]
             out[qo[i] : qo[i + 1]] = F.scaled_dot_product_attention(
                 q[qo[i] : qo[i + 1]].transpose(0, 1),
                 keys,
@@ -182,7 +185,9 @@ class _Decode(_Wrapper):
     def plan(
         self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
         *, sm_scale, q_data_type, kv_data_type,
+        window_left=-1,  # [ch29]
     ) -> None:  # fmt: skip
+        self.window_left = window_left  # [ch29]
         self._take(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, page_size, sm_scale)
 
     def qo_indptr(self) -> list[int]:
@@ -194,8 +199,10 @@ class _Prefill(_Wrapper):
         self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
         num_qo_heads, num_kv_heads, head_dim_qk, page_size,
         *, causal, sm_scale, q_data_type, kv_data_type,
+        window_left=-1,  # [ch29]
     ) -> None:  # fmt: skip
         assert causal and qo_indptr.dtype == torch.int32
+        self.window_left = window_left  # [ch29]
         self.qo = qo_indptr.tolist()
         self._take(
             paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
@@ -277,12 +284,12 @@ def test_fi_graph_replay_plans_each_step_through_the_fixed_buffers(fake_fi) -> N
     fi = use_fi(engine, [1, 2, 4])
     runner = engine.graph_runner
     assert sorted(runner.graph_map) == [1, 2, 4] and set(fi.graph_wrappers) == {1, 2, 4}
-    plans_at_capture = fi.graph_wrappers[4].plans
+    plans_at_capture = fi.graph_wrappers[4][None].plans
     assert Driver(engine).generate(prompts, params) == want
     # 4 decode steps of 4 requests: the bs-4 graph's wrapper was planned before each replay,
     # and the eager decode wrapper never ran
-    assert fi.graph_wrappers[4].plans == plans_at_capture + 4
-    assert fi.decode_wrapper.plans == 0
+    assert fi.graph_wrappers[4][None].plans == plans_at_capture + 4
+    assert fi.decode_wrappers[None].plans == 0
 
     # A replay that skips the plan reads the last step's page arrays: wrong tokens.
     engine = make_engine(path, page_size=4)

@@ -61,7 +61,13 @@ class LlamaAttention(nn.Module):
             bias=qkv_bias,
             split=Split.qkv(c.num_heads, c.num_kv_heads, c.head_dim),  # [ch21]
         )
-        rope = get_rope(c.head_dim, c.rope_theta, c.max_position_embeddings, _device())
+        rope = get_rope(
+            c.head_dim,
+            c.rope_theta,
+            c.max_position_embeddings,
+            _device(),
+            c.layer_rope(layer_id),  # its variant, or a sliding layer's own  # [ch29]
+        )
         eps = c.rms_norm_eps if qk_norm else None
         heads, kv_heads = c.num_heads, c.num_kv_heads
         heads, kv_heads = rank_heads(heads, kv_heads)  # this rank's share of them  # [ch21]
