@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from flashinfer_stub import fake_fi, use_fi  # noqa: F401 (a fixture)
 from helpers import TINY, Driver, all_logits, make_engine, need
-from test_ch19_flashinfer import fake_fi, use_fi  # noqa: F401 (a fixture)
 
 from minisgl.core import SamplingParams
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -195,7 +195,7 @@ def test_triton_kernels_with_windows(folders, name: str) -> None:
 
 
 def test_flashinfer_plans_one_wrapper_per_window(folders, fake_fi) -> None:  # noqa: F811
-    """FlashInfer (its stand-in from chapter 19's tests) plans one wrapper per window and
+    """FlashInfer (chapter 19's stand-in, tests/flashinfer_stub.py) plans one wrapper per window and
     runs each layer on its own: Qwen2 with a global layer, then a sliding one."""
     ids = token_ids(12)
     engine = make_engine(folders["qwen2-window"], page_size=4)
