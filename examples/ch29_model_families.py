@@ -21,6 +21,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.layers.rope_scaling import frequencies
 from minisgl.models.config import ModelConfig
+from minisgl.models.families import context_length, layer_rope
 
 CPU = torch.device("cpu")
 
@@ -48,11 +49,11 @@ variants = {
 print("variant                      context  turned  longest wavelength  cos/sin scale")
 for name, raw in variants.items():
     config = ModelConfig.from_dict(raw)
-    rope = config.layer_rope(0)
-    plain = ModelConfig.from_dict({**raw, "rope_scaling": None}).layer_rope(0)
+    rope = layer_rope(config, 0)
+    plain = layer_rope(ModelConfig.from_dict({**raw, "rope_scaling": None}), 0)
     inv_freq, scale = frequencies(rope, CPU)
     longest, was = 2 * math.pi / inv_freq.min(), 2 * math.pi / frequencies(plain, CPU)[0].min()
-    print(f"{name:<28} {config.context_length:>7} {rope.rotary_dim:>4}/{config.head_dim}"
+    print(f"{name:<28} {context_length(config):>7} {rope.rotary_dim:>4}/{config.head_dim}"
           f"  {was:>9.0f} -> {longest:>9.0f}  {scale:.4f}")  # fmt: skip
 
 

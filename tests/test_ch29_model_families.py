@@ -24,6 +24,7 @@ from minisgl.core import SamplingParams
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
+from minisgl.models.families import context_length, layer_rope, sliding
 from minisgl.models.register import create_model
 
 TOL = 1e-4
@@ -331,16 +332,16 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_config_parses_and_sizes_the_engine(name: str) -> None:
-    params, context, kv_bytes, rope_type, rotated, sliding, window = EXPECTED[name]
+    params, context, kv_bytes, rope_type, rotated, sliding_layers, window = EXPECTED[name]
     config = ModelConfig.from_dict(PUBLISHED[name])
-    assert config.context_length == context
+    assert context_length(config) == context
     per_token = MHAKVCache.bytes_per_page(
         config.num_layers, 1, config.num_kv_heads, config.head_dim, torch.bfloat16
     )
     assert per_token == kv_bytes
     assert config.rope is not None and config.rope.rope_type == rope_type
     assert config.rope.rotary_dim == rotated
-    assert sum(config.sliding(i) for i in range(config.num_layers)) == sliding
+    assert sum(sliding(config, i) for i in range(config.num_layers)) == sliding_layers
     assert config.sliding_window == window
     with torch.device("meta"):
         model = create_model(config)
@@ -351,5 +352,5 @@ def test_qwen25_yarn_recipe_serves_128k() -> None:
     """The model card's recipe for long inputs: yarn, factor 4 over the 32K it was trained on."""
     yarn = {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}
     config = ModelConfig.from_dict({**PUBLISHED["Qwen2.5-7B-Instruct"], "rope_scaling": yarn})
-    assert config.context_length == 131072
-    assert config.layer_rope(0).context == 131072  # its table covers every position
+    assert context_length(config) == 131072
+    assert layer_rope(config, 0).context == 131072  # its table covers every position

@@ -48,6 +48,7 @@ from minisgl.engine.verify_graph import plan_verify_graphs  # [ch26]
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
+from minisgl.models.families import context_length, sliding  # [ch29]
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
 from minisgl.quant.fp8 import check_device  # [ch28]
@@ -274,7 +275,7 @@ class Engine:
     def _max_seq_len(self) -> int:
         mc, override = self.model_config, self.config.max_seq_len_override
         limit = mc.max_position_embeddings
-        limit = mc.context_length  # stretched by yarn or dynamic NTK  # [ch29]
+        limit = context_length(mc)  # stretched by yarn or dynamic NTK  # [ch29]
         if override is not None and override > limit:
             raise ValueError(f"max_seq_len_override {override} exceeds the model's context {limit}")
         return override or limit
@@ -306,7 +307,7 @@ class Engine:
         scale = (mc.query_pre_attn_scalar or mc.head_dim) ** -0.5  # Gemma's own  # [ch29]
         backend = cls(self.kv_cache, self.page_table, scale, self.num_qo_heads)
         # >>> ch29 sliding layers: a window no shorter than the context is no window
-        windows = [mc.sliding_window if mc.sliding(i) else None for i in range(mc.num_layers)]
+        windows = [mc.sliding_window if sliding(mc, i) else None for i in range(mc.num_layers)]
         backend.set_windows([w if w and w < self.max_seq_len else None for w in windows])
         # <<< ch29
         return backend

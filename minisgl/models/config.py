@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.layers.rope_scaling import ROPE_ALIASES, ROPE_TYPES, RopeScaling  # [ch29]
-from minisgl.models.families import SLIDING, family_fields, text_model_config  # [ch29]
+from minisgl.models.families import family_fields, text_model_config  # [ch29]
 from minisgl.quant.config import Fp8Checkpoint, parse_quantization_config  # [ch28]
 
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
@@ -97,22 +97,6 @@ class ModelConfig:
             **family_fields(raw, head_dim, sliding_window),  # [ch29]
         )
 
-    # >>> ch29
-    @property
-    def context_length(self) -> int:
-        """How many positions the model serves: yarn and dynamic NTK stretch the context
-        the config states by their factor."""
-        return self.rope.context_length if self.rope else self.max_position_embeddings
-
-    def sliding(self, layer_id: int) -> bool:
-        return self.sliding_window is not None and self.layer_types[layer_id] == SLIDING
-
-    def layer_rope(self, layer_id: int) -> RopeScaling | None:
-        """The RoPE that layer `layer_id` turns q and k by, with its table's length."""
-        rope = self.local_rope if self.local_rope and self.sliding(layer_id) else self.rope
-        return rope.for_context(self.rope_context or self.context_length) if rope else None
-
-    # <<< ch29
     @classmethod
     def from_path(cls, model_path: str | Path) -> ModelConfig:
         path = Path(model_path) / "config.json"

@@ -16,9 +16,12 @@ Options we cannot honour fail here, at start-up, by name.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from minisgl.layers.rope_scaling import RopeScaling, parse_rope
+
+if TYPE_CHECKING:
+    from minisgl.models.config import ModelConfig
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -104,6 +107,23 @@ def _layer_types(raw: dict[str, Any], sliding_window: int | None) -> tuple[str, 
         first = raw.get("max_window_layers", 28)
         return tuple(SLIDING if i >= first else FULL for i in range(n))
     return (SLIDING,) * n
+
+
+def context_length(config: ModelConfig) -> int:
+    """How many positions the model serves: yarn and dynamic NTK stretch the context the
+    config states by their factor."""
+    return config.rope.context_length if config.rope else config.max_position_embeddings
+
+
+def sliding(config: ModelConfig, layer_id: int) -> bool:
+    return config.sliding_window is not None and config.layer_types[layer_id] == SLIDING
+
+
+def layer_rope(config: ModelConfig, layer_id: int) -> RopeScaling | None:
+    """The RoPE that layer `layer_id` turns q and k by, with its table's length."""
+    c = config
+    rope = c.local_rope if c.local_rope and sliding(c, layer_id) else c.rope
+    return rope.for_context(c.rope_context or context_length(c)) if rope else None
 
 
 def text_model_name(name: str) -> str | None:

@@ -9,7 +9,7 @@ What differs from Llama (models/llama.py), each a few lines here:
 - embeddings are multiplied by sqrt(hidden_size), rounded to the model's dtype;
 - attention scores are scaled by query_pre_attn_scalar^-1/2 (the engine's softmax scale);
 - five sliding layers to one global, each kind with its own RoPE base
-  (`ModelConfig.layer_rope`, the backends' windows);
+  (`families.layer_rope`, the backends' windows);
 - the logits may be soft-capped: cap * tanh(logits / cap).
 
 `Gemma3ForConditionalGeneration` checkpoints hold the same text model next to a vision
