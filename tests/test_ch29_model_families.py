@@ -195,6 +195,16 @@ def test_triton_kernels_with_windows(folders, name: str) -> None:
     assert (got - hf_reference(folders[name], ids)).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("name", ["mistral", "phi3"])
+def test_fused_decode_kernel_is_not_asked_for_windows_or_partial_rotary(folders, name) -> None:
+    """The one-kernel decode of the Triton backend turns whole heads over every key: a
+    sliding layer (Mistral) or a partial rotary (Phi-3) goes the three-kernel way."""
+    engine = make_engine(folders[name], attention_backend="triton")
+    layer = engine.model.model.layers[0].self_attn.attn
+    qkv = torch.zeros(1, (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim)
+    assert engine.attn_backend.decode_from_qkv(layer, qkv, None) is None
+
+
 def test_flashinfer_plans_one_wrapper_per_window(folders, fake_fi) -> None:  # noqa: F811
     """FlashInfer (chapter 19's stand-in, tests/flashinfer_stub.py) plans one wrapper per window and
     runs each layer on its own: Qwen2 with a global layer, then a sliding one."""

@@ -124,6 +124,10 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> torch.Tensor | None:
         """A decode step's attention from the layer's qkv in one kernel (rotary, KV store,
         split-KV attention and merge: kernels/fused_decode.py)."""
+        # >>> ch29 its kernel turns every channel of a head and attends to every key
+        if self.window(layer.layer_id) is not None or layer.rotary.rotary_dim < layer.head_dim:
+            return None
+        # <<< ch29
         from minisgl.kernels.fused_decode import decode_attention_qkv
         from minisgl.kernels.pdl import pdl_enabled
 
