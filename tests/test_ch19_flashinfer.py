@@ -13,11 +13,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import types
 
 import pytest
 import torch
-import torch.nn.functional as F
+from flashinfer_stub import fake_fi, fake_flashinfer, use_fi  # noqa: F401 (a fixture)
 from helpers import SMOL, TINY, Driver, all_logits, make_engine, need
 
 from minisgl.attention.fi import FlashInferBackend, paged_kv_layout
@@ -25,7 +24,6 @@ from minisgl.attention.registry import BACKENDS, select_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.graph import GraphKind, GraphPlan, GraphRunner, GraphShape
 from minisgl.utils import cdiv
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -110,131 +108,7 @@ def test_paged_kv_layout_equals_a_plain_loop(page_size: int, kernel: bool) -> No
     assert all(1 <= x <= page_size for x in last.tolist())
 
 
-# ---- the backend against the reference, with a stand-in FlashInfer ---------------------------
-
-
-class _Wrapper:
-    """FlashInfer's paged wrappers as far as the backend uses them; attention in torch."""
-
-    def __init__(
-        self,
-        float_workspace_buffer: torch.Tensor,
-        kv_layout: str = "NHD",
-        use_cuda_graph: bool = False,
-        use_tensor_cores: bool = False,
-        paged_kv_indptr_buffer: torch.Tensor | None = None,
-        paged_kv_indices_buffer: torch.Tensor | None = None,
-        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
-        backend: str = "auto",
-    ) -> None:
-        assert kv_layout == "NHD" and backend in ("auto", "fa2")
-        self.graph = use_cuda_graph
-        if use_cuda_graph:  # FlashInfer's rule: the batch size is fixed by the buffers
-            assert len(paged_kv_indptr_buffer) == len(paged_kv_last_page_len_buffer) + 1
-            self.indptr, self.indices = paged_kv_indptr_buffer, paged_kv_indices_buffer
-            self.last = paged_kv_last_page_len_buffer
-        self.plans = 0
-
-    def _take(self, indptr, indices, last, num_qo_heads, num_kv_heads, page_size, sm_scale):
-        for t in (indptr, indices, last):
-            assert t.dtype == torch.int32
-        if self.graph:
-            assert len(last) == len(self.last), "batch size differs from the captured one"
-            self.indptr.copy_(indptr)
-            self.indices[: len(indices)].copy_(indices)
-            self.last.copy_(last)
-        else:
-            self.indptr, self.indices, self.last = indptr.clone(), indices.clone(), last.clone()
-        self.heads, self.kv_heads, self.page_size, self.scale = (
-            num_qo_heads,
-            num_kv_heads,
-            page_size,
-            sm_scale,
-        )
-        self.plans += 1
-
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor]):
-        k_pages, v_pages = paged_kv_cache
-        assert k_pages.dim() == 4 and k_pages.size(1) == self.page_size
-        out = torch.empty_like(q)
-        indptr, indices, last = self.indptr.tolist(), self.indices.tolist(), self.last.tolist()
-        qo = self.qo_indptr()
-        for i in range(len(last)):
-            pages = indices[indptr[i] : indptr[i + 1]]
-            n_kv = (len(pages) - 1) * self.page_size + last[i]
-            keys = k_pages[pages].flatten(0, 1)[:n_kv].transpose(0, 1)
-            values = v_pages[pages].flatten(0, 1)[:n_kv].transpose(0, 1)
-            n_q = qo[i + 1] - qo[i]
-            q_pos = torch.arange(n_kv - n_q, n_kv)
-            mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]
-            out[qo[i] : qo[i + 1]] = F.scaled_dot_product_attention(
-                q[qo[i] : qo[i + 1]].transpose(0, 1),
-                keys,
-                values,
-                attn_mask=mask,
-                scale=self.scale,
-                enable_gqa=True,
-            ).transpose(0, 1)
-        return out
-
-
-class _Decode(_Wrapper):
-    def plan(
-        self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
-        *, sm_scale, q_data_type, kv_data_type,
-    ) -> None:  # fmt: skip
-        self._take(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, page_size, sm_scale)
-
-    def qo_indptr(self) -> list[int]:
-        return list(range(len(self.last) + 1))
-
-
-class _Prefill(_Wrapper):
-    def plan(
-        self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-        num_qo_heads, num_kv_heads, head_dim_qk, page_size,
-        *, causal, sm_scale, q_data_type, kv_data_type,
-    ) -> None:  # fmt: skip
-        assert causal and qo_indptr.dtype == torch.int32
-        self.qo = qo_indptr.tolist()
-        self._take(
-            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-            num_qo_heads, num_kv_heads, page_size, sm_scale,
-        )  # fmt: skip
-
-    def qo_indptr(self) -> list[int]:
-        return self.qo
-
-
-def fake_flashinfer() -> types.ModuleType:
-    module = types.ModuleType("flashinfer")
-    module.BatchDecodeWithPagedKVCacheWrapper = _Decode
-    module.BatchPrefillWithPagedKVCacheWrapper = _Prefill
-    return module
-
-
-class _Event:  # torch.cuda.Event stand-in: the backend records one after every plan
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-@pytest.fixture
-def fake_fi(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer())
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
-
-
-def use_fi(engine, graph_bs: list[int]) -> FlashInferBackend:
-    mc = engine.model_config
-    fi = FlashInferBackend(engine.kv_cache, engine.page_table, mc.head_dim**-0.5, mc.num_heads)
-    engine.attn_backend = engine.ctx.attn_backend = fi
-    decode = GraphKind([GraphShape(bs, bs) for bs in graph_bs], engine.dummy_req)
-    plan = GraphPlan([decode], engine.max_seq_len, emulated=True)
-    engine.graph_runner = GraphRunner(engine.model, fi, plan, mc.vocab_size, CPU)
-    return fi
+# ---- the backend against the reference, with a stand-in FlashInfer (flashinfer_stub.py) -----
 
 
 def forced(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -254,7 +128,7 @@ def forced(engine, prompts: list[list[int]]) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_fi_backend_equals_torch_backend_under_teacher_forcing(fake_fi, page_size: int) -> None:
+def test_fi_backend_equals_torch_backend_under_teacher_forcing(fake_fi, page_size: int) -> None:  # noqa: F811
     path = need(TINY["qwen3"])
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (14, 23, 10)]
@@ -265,7 +139,7 @@ def test_fi_backend_equals_torch_backend_under_teacher_forcing(fake_fi, page_siz
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_fi_graph_replay_plans_each_step_through_the_fixed_buffers(fake_fi) -> None:
+def test_fi_graph_replay_plans_each_step_through_the_fixed_buffers(fake_fi) -> None:  # noqa: F811
     path = need(SMOL)  # a real model: its next token depends on the context it attends to
     prompts = [[504, 3575, 282, 4649, 314], [1971, 1377, 4159, 3054, 28], [504], [1, 2, 3, 4]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -277,12 +151,12 @@ def test_fi_graph_replay_plans_each_step_through_the_fixed_buffers(fake_fi) -> N
     fi = use_fi(engine, [1, 2, 4])
     runner = engine.graph_runner
     assert sorted(runner.graph_map) == [1, 2, 4] and set(fi.graph_wrappers) == {1, 2, 4}
-    plans_at_capture = fi.graph_wrappers[4].plans
+    plans_at_capture = fi.graph_wrappers[4][None].plans
     assert Driver(engine).generate(prompts, params) == want
     # 4 decode steps of 4 requests: the bs-4 graph's wrapper was planned before each replay,
     # and the eager decode wrapper never ran
-    assert fi.graph_wrappers[4].plans == plans_at_capture + 4
-    assert fi.decode_wrapper.plans == 0
+    assert fi.graph_wrappers[4][None].plans == plans_at_capture + 4
+    assert fi.decode_wrappers[None].plans == 0
 
     # A replay that skips the plan reads the last step's page arrays: wrong tokens.
     engine = make_engine(path, page_size=4)

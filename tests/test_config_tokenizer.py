@@ -121,11 +121,11 @@ def test_rope_theta_forms(rope: dict) -> None:
 @pytest.mark.parametrize(
     "rope",
     [
-        {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-        {"rope_scaling": {"type": "linear", "factor": 2.0}},
-        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
+        {"rope_parameters": {"rope_type": "mrope", "rope_theta": 5e5, "mrope_section": [1]}},
+        {"rope_scaling": {"type": "proportional", "factor": 2.0}},
+        {"rope_scaling": {"rope_type": "llama4", "factor": 4.0}},
     ],
-    ids=["llama3", "legacy-linear", "yarn"],
+    ids=["mrope", "legacy-proportional", "llama4"],
 )
 def test_unsupported_rope_type_is_a_clear_error(rope: dict) -> None:
     params = next(iter(rope.values()))

@@ -14,6 +14,7 @@ from helpers import TINY, need
 from minisgl.core import SamplingParams
 from minisgl.kernels.rope_store import qk_rope_store
 from minisgl.layers.norm import RMSNorm
+from minisgl.layers.rope_scaling import RopeScaling  # [ch29]
 from minisgl.layers.rotary import RotaryEmbedding
 from minisgl.llm import LLM
 
@@ -34,15 +35,27 @@ def unfused(qkv, positions, rope, q_norm, k_norm, k_cache, v_cache, out_loc, hq,
     return q
 
 
-CASES = [  # (q heads, kv heads, head_dim, qk norm)
-    (4, 2, 16, True),
-    (6, 2, 24, False),  # half a head not a power of two
-    (8, 8, 64, True),
+CASES = [  # (q heads, kv heads, head_dim, qk norm, rotated channels)
+    (4, 2, 16, True, 16),
+    (6, 2, 24, False, 24),  # half a head not a power of two
+    (8, 8, 64, True, 64),
+    (4, 2, 32, True, 24),  # partial rotary (Phi-4-mini turns 3/4 of a head)  # [ch29]
+    (6, 2, 40, False, 16),  # [ch29]
 ]
 
 
-@pytest.mark.parametrize(("hq", "hkv", "d", "norm"), CASES)
-def test_kernel_equals_the_layers_it_replaces(hq: int, hkv: int, d: int, norm: bool) -> None:
+def rotary(d: int, rot: int) -> RotaryEmbedding:
+    if rot == d:
+        return RotaryEmbedding(d, 10000.0, 512, DEV)
+    # a scaled variant too: the attention factor scales cos and sin  # [ch29]
+    yarn = RopeScaling("yarn", 10000.0, rot, 512, factor=4.0, original_max_position=128)  # [ch29]
+    return RotaryEmbedding(d, 10000.0, 512, DEV, yarn.for_context(512))  # [ch29]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "norm", "rot"), CASES)
+def test_kernel_equals_the_layers_it_replaces(
+    hq: int, hkv: int, d: int, norm: bool, rot: int
+) -> None:
     gen = torch.Generator().manual_seed(hq * d)
     dtypes = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
     for dtype in dtypes:
@@ -50,7 +63,7 @@ def test_kernel_equals_the_layers_it_replaces(hq: int, hkv: int, d: int, norm: b
         qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(DEV, dtype)
         positions = torch.randint(0, 500, (tokens,), generator=gen).to(DEV, torch.int32)
         out_loc = torch.randperm(slots, generator=gen)[:tokens].to(DEV, torch.int32)
-        rope = RotaryEmbedding(d, 10000.0, 512, DEV)
+        rope = rotary(d, rot)
         q_norm = k_norm = None
         if norm:
             q_norm, k_norm = RMSNorm(d, 1e-6).to(DEV, dtype), RMSNorm(d, 1e-6).to(DEV, dtype)

@@ -36,6 +36,7 @@ class BaseAttnBackend(ABC):
     cuda_graphs: tuple[str, ...] = ()
     # <<< ch18
     reads_fp8_kv: bool = False  # takes a KV cache of e4m3 keys and values  # [ch28]
+    windows: tuple[int | None, ...] = ()  # each layer's sliding window, None: all  # [ch29]
 
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
@@ -53,6 +54,16 @@ class BaseAttnBackend(ABC):
             return f"runs on {' or '.join(cls.devices)}, not {device.type}"
         return ""
 
+    # >>> ch29 sliding-window layers
+    def set_windows(self, windows: list[int | None]) -> None:
+        """Each layer's sliding window: a query at position p attends to the keys at
+        positions p - window + 1 .. p only (None: to all before it)."""
+        self.windows = tuple(windows)
+
+    def window(self, layer_id: int) -> int | None:
+        return self.windows[layer_id] if self.windows else None
+
+    # <<< ch29
     @abstractmethod
     def prepare_metadata(self, batch: Batch) -> None:
         """Build `batch.attn_metadata` from the batch's requests (before the forward)."""

@@ -103,6 +103,11 @@ class FlashAttnBackend(TritonAttnBackend):
         md = batch.attn_metadata
         assert isinstance(md, FlashAttnMetadata)
         k_pages, v_pages = self.kv_cache.paged(layer_id)
+        window: dict = {}
+        # >>> ch29 flash-attn's (left, right) window: p - left .. p + right
+        if (w := self.window(layer_id)) is not None:
+            window["window_size"] = (w - 1, 0)
+        # <<< ch29
         if md.max_extend_len == 1:
             out = self.fa.flash_attn_with_kvcache(
                 q[:, None],
@@ -112,6 +117,7 @@ class FlashAttnBackend(TritonAttnBackend):
                 block_table=md.block_table,
                 softmax_scale=self.scale,
                 causal=True,
+                **window,
             )
             return out[:, 0]
         return self.fa.flash_attn_varlen_func(
@@ -125,6 +131,7 @@ class FlashAttnBackend(TritonAttnBackend):
             softmax_scale=self.scale,
             causal=True,  # bottom-right aligned: the new tokens are the last positions
             block_table=md.block_table,
+            **window,
         )
 
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:

@@ -75,7 +75,8 @@ class FlashInferMetadata(BaseAttnMetadata):
     kv_indptr: torch.Tensor  # [bs + 1] int32, host
     kv_indices: torch.Tensor  # [pages] int32, device
     kv_last_page_len: torch.Tensor  # [bs] int32, host
-    wrapper: Any = None  # the FlashInfer wrapper planned for this batch
+    # the FlashInfer wrappers planned for this batch: one per attention window (None: all)
+    wrappers: dict[int | None, Any] | None = None
 
     def get_last_indices(self) -> torch.Tensor:
         return self.qo_indptr[1:] - 1
@@ -104,8 +105,6 @@ class FlashInferBackend(BaseAttnBackend):
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
     ) -> None:
-        import flashinfer
-
         super().__init__(kv_cache, page_table, scale, num_qo_heads)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         # Grouped-query decode runs faster on the tensor-core (prefill) kernels once several
@@ -119,13 +118,34 @@ class FlashInferBackend(BaseAttnBackend):
             q_data_type=kv_cache.dtype,
             kv_data_type=kv_cache.dtype,
         )
-        # FA2 kernels: the Hopper (FA3) ones take minutes longer to JIT-compile.
-        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend="fa2"
-        )
-        self.decode_wrapper = self._decode_wrapper()
-        self.graph_wrappers: dict[int, Any] = {}  # captured batch size -> its own decode wrapper
+        # A wrapper is planned for one attention window; the layers share the float workspace,
+        # as they run one after the other. Without sliding layers, one window: None (all).
+        self.prefill_wrappers: dict[int | None, Any] = {}
+        self.decode_wrappers: dict[int | None, Any] = {}
+        self._make_wrappers((None,))
+        # captured batch size -> its own decode wrappers
+        self.graph_wrappers: dict[int, dict[int | None, Any]] = {}
         self._last_plan: torch.cuda.Event | None = None
+
+    def _make_wrappers(self, windows: tuple[int | None, ...]) -> None:
+        import flashinfer
+
+        # FA2 kernels: the Hopper (FA3) ones take minutes longer to JIT-compile.
+        self.prefill_wrappers = {
+            w: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend="fa2")
+            for w in windows
+        }
+        self.decode_wrappers = {w: self._decode_wrapper() for w in windows}
+
+    # >>> ch29
+    def set_windows(self, windows: list[int | None]) -> None:
+        super().set_windows(windows)
+        self._make_wrappers(self._distinct_windows())
+
+    def _distinct_windows(self) -> tuple[int | None, ...]:
+        return tuple(dict.fromkeys(self.windows)) or (None,)
+
+    # <<< ch29
 
     def _decode_wrapper(self, **graph_buffers: torch.Tensor) -> Any:
         import flashinfer
@@ -143,7 +163,7 @@ class FlashInferBackend(BaseAttnBackend):
         batch.attn_metadata = md
         if batch.is_decode and batch.padded_size in self.graph_wrappers:
             return  # a graph replay: the runner plans that graph's own wrapper
-        self._plan(md, self.decode_wrapper if batch.is_decode else self.prefill_wrapper)
+        self._plan(md, self.decode_wrappers if batch.is_decode else self.prefill_wrappers)
 
     def _metadata(self, batch: Batch) -> FlashInferMetadata:
         reqs = batch.padded_reqs
@@ -169,7 +189,7 @@ class FlashInferBackend(BaseAttnBackend):
             kv_last_page_len=last_page_len,
         )
 
-    def _plan(self, md: FlashInferMetadata, wrapper: Any) -> None:
+    def _plan(self, md: FlashInferMetadata, wrappers: dict[int | None, Any]) -> None:
         # plan() stages its work split in a pinned host buffer of the wrapper and copies it
         # to the device asynchronously. Under overlap scheduling the next plan() can come
         # before that copy has run (it waits behind the batch on the GPU), and would
@@ -178,28 +198,38 @@ class FlashInferBackend(BaseAttnBackend):
         if self._last_plan is not None:
             self._last_plan.synchronize()
         head_dim = self.kv_cache.head_dim
-        if wrapper is self.prefill_wrapper:
-            wrapper.plan(
-                md.qo_indptr_host,
-                md.kv_indptr,
-                md.kv_indices,
-                md.kv_last_page_len,
-                head_dim_qk=head_dim,
-                causal=True,
-                **self.shape,
-            )
-        else:
-            wrapper.plan(
-                md.kv_indptr, md.kv_indices, md.kv_last_page_len, head_dim=head_dim, **self.shape
-            )
+        for window, wrapper in wrappers.items():
+            left = -1 if window is None else window - 1  # a query at p sees p - left .. p  # [ch29]
+            if wrappers is self.prefill_wrappers:
+                wrapper.plan(
+                    md.qo_indptr_host,
+                    md.kv_indptr,
+                    md.kv_indices,
+                    md.kv_last_page_len,
+                    head_dim_qk=head_dim,
+                    causal=True,
+                    window_left=left,  # [ch29]
+                    **self.shape,
+                )
+            else:
+                wrapper.plan(
+                    md.kv_indptr,
+                    md.kv_indices,
+                    md.kv_last_page_len,
+                    head_dim=head_dim,
+                    window_left=left,  # [ch29]
+                    **self.shape,
+                )
         self._last_plan = torch.cuda.Event()
         self._last_plan.record()
-        md.wrapper = wrapper
+        md.wrappers = wrappers
 
     def attend(self, q: torch.Tensor, layer_id: int, batch: Batch) -> torch.Tensor:
         md = batch.attn_metadata
-        assert isinstance(md, FlashInferMetadata) and md.wrapper is not None
-        return md.wrapper.run(q, self.kv_cache.paged(layer_id))
+        assert isinstance(md, FlashInferMetadata) and md.wrappers is not None
+        window = None
+        window = self.window(layer_id)  # [ch29]
+        return md.wrappers[window].run(q, self.kv_cache.paged(layer_id))
 
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         # One set of index buffers sized for the largest batch; each captured size gets a
@@ -210,11 +240,14 @@ class FlashInferBackend(BaseAttnBackend):
         indices = torch.zeros(max_bs * pages_per_row, dtype=torch.int32, device=device)
         last_page_len = torch.zeros(max_bs, dtype=torch.int32, device=device)
         for bs in bs_list:
-            self.graph_wrappers[bs] = self._decode_wrapper(
-                paged_kv_indptr_buffer=indptr[: bs + 1],
-                paged_kv_indices_buffer=indices,
-                paged_kv_last_page_len_buffer=last_page_len[:bs],
-            )
+            self.graph_wrappers[bs] = {
+                window: self._decode_wrapper(
+                    paged_kv_indptr_buffer=indptr[: bs + 1],
+                    paged_kv_indices_buffer=indices,
+                    paged_kv_last_page_len_buffer=last_page_len[:bs],
+                )
+                for window in self.decode_wrappers
+            }
 
     def prepare_for_capture(self, batch: Batch) -> None:
         md = self._metadata(batch)

@@ -83,12 +83,19 @@ class TorchAttnBackend(BaseAttnBackend):
         md = batch.attn_metadata
         assert isinstance(md, TorchAttnMetadata)
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
+        window = None
+        window = self.window(layer_id)  # [ch29]
         if md.max_seqlen_q == 1:
-            return self._decode(q, k_cache, v_cache, md)
-        return self._extend(q, k_cache, v_cache, md)
+            return self._decode(q, k_cache, v_cache, md, window)
+        return self._extend(q, k_cache, v_cache, md, window)
 
     def _decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: TorchAttnMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: TorchAttnMetadata,
+        window: int | None,
     ) -> torch.Tensor:
         # One query per request: pad every request's K/V to the longest and mask the rest,
         # so the whole batch is one attention call.
@@ -98,14 +105,22 @@ class TorchAttnBackend(BaseAttnBackend):
         values = gather_slots(v_cache, slots).transpose(1, 2)
         keys, values = keys.to(q.dtype), values.to(q.dtype)  # an FP8 cache: to q's dtype  # [ch28]
         positions = torch.arange(max_len, device=q.device)
-        mask = (positions[None, :] < md.cache_seqlens[:, None])[:, None, None, :]
+        mask = positions[None, :] < md.cache_seqlens[:, None]
+        if window is not None:  # the query sits at seq_len - 1  # [ch29]
+            mask &= positions[None, :] >= md.cache_seqlens[:, None] - window  # [ch29]
+        mask = mask[:, None, None, :]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :], keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
         )
         return out[:, :, 0, :]
 
     def _extend(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, md: TorchAttnMetadata
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        md: TorchAttnMetadata,
+        window: int | None,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         cu = md.cu_seqlens_q.tolist()
@@ -120,7 +135,10 @@ class TorchAttnBackend(BaseAttnBackend):
             # New token j sits at position seq_len - n + j and sees every position up to it.
             n = end - start
             q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+            k_pos = torch.arange(seq_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos[:, None]
+            if window is not None:  # [ch29]
+                mask &= k_pos > q_pos[:, None] - window  # [ch29]
             out[start:end] = F.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1),
                 keys,

@@ -97,7 +97,14 @@ class TritonAttnBackend(BaseAttnBackend):
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         if md.max_extend_len == 1:
             return self.kernels.decode_attention(
-                q, k_cache, v_cache, self.page_table, md.rows, md.seq_lens, self.scale
+                q,
+                k_cache,
+                v_cache,
+                self.page_table,
+                md.rows,
+                md.seq_lens,
+                self.scale,
+                self.window(layer_id),  # [ch29]
             )
         return self.kernels.extend_attention(
             q,
@@ -109,6 +116,7 @@ class TritonAttnBackend(BaseAttnBackend):
             md.qo_indptr,
             md.max_extend_len,
             self.scale,
+            self.window(layer_id),  # [ch29]
         )
 
     def decode_from_qkv(
@@ -116,6 +124,10 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> torch.Tensor | None:
         """A decode step's attention from the layer's qkv in one kernel (rotary, KV store,
         split-KV attention and merge: kernels/fused_decode.py)."""
+        # >>> ch29 its kernel turns every channel of a head and attends to every key
+        if self.window(layer.layer_id) is not None or layer.rotary.rotary_dim < layer.head_dim:
+            return None
+        # <<< ch29
         from minisgl.kernels.fused_decode import decode_attention_qkv
         from minisgl.kernels.pdl import pdl_enabled
 

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +48,7 @@ from minisgl.engine.verify_graph import plan_verify_graphs  # [ch26]
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.config import ModelConfig
+from minisgl.models.families import context_length, sliding  # [ch29]
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
 from minisgl.quant.fp8 import check_device  # [ch28]
@@ -105,6 +106,8 @@ class Engine:
             self.kv_dtype = torch.float8_e4m3fn
         # <<< ch28
         self.max_seq_len = self._max_seq_len()
+        # longrope's factors and dynamic NTK's base depend on the context served  # [ch29]
+        self.model_config = replace(self.model_config, rope_context=self.max_seq_len)  # [ch29]
         self.page_size = config.page_size
 
         with torch.device(self.device), _default_dtype(self.dtype):
@@ -272,9 +275,7 @@ class Engine:
     def _max_seq_len(self) -> int:
         mc, override = self.model_config, self.config.max_seq_len_override
         limit = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < limit:
-            logger.info("context capped at the sliding window, %d tokens", mc.sliding_window)
-            limit = mc.sliding_window
+        limit = context_length(mc)  # stretched by yarn or dynamic NTK  # [ch29]
         if override is not None and override > limit:
             raise ValueError(f"max_seq_len_override {override} exceeds the model's context {limit}")
         return override or limit
@@ -301,8 +302,15 @@ class Engine:
             self.config.attention_backend, self.device, self.dtype, self.page_size,
             fp8_kv=self.kv_dtype == torch.float8_e4m3fn,  # [ch28]
         )  # fmt: skip
-        scale = self.model_config.head_dim**-0.5
-        return cls(self.kv_cache, self.page_table, scale, self.num_qo_heads)
+        mc = self.model_config
+        scale = mc.head_dim**-0.5
+        scale = (mc.query_pre_attn_scalar or mc.head_dim) ** -0.5  # Gemma's own  # [ch29]
+        backend = cls(self.kv_cache, self.page_table, scale, self.num_qo_heads)
+        # >>> ch29 sliding layers: a window no shorter than the context is no window
+        windows = [mc.sliding_window if sliding(mc, i) else None for i in range(mc.num_layers)]
+        backend.set_windows([w if w and w < self.max_seq_len else None for w in windows])
+        # <<< ch29
+        return backend
 
     def shutdown(self) -> None:
         self.graph_runner.destroy_cuda_graphs()  # [ch18]

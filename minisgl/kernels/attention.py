@@ -64,6 +64,7 @@ def _attend_block(
 def _decode_split_kernel(
     Q, K, V, PageTable, Rows, SeqLens, OutPartial, LsePartial,
     sm_scale,
+    window,  # keys older than the last `window` positions are not attended  # [ch29]
     stride_qb, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -76,8 +77,10 @@ def _decode_split_kernel(
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(Rows + b).to(tl.int64)
-    per_split = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * per_split
+    first = 0
+    first = tl.maximum(seq_len - window, 0)  # [ch29]
+    per_split = tl.cdiv(seq_len - first, NUM_SPLITS)
+    start = first + split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -145,6 +148,7 @@ def _decode_merge_kernel(
 def _extend_kernel(
     Q, K, V, Out, PageTable, Rows, SeqLens, QoIndptr,
     sm_scale,
+    window,  # [ch29]
     stride_qt, stride_qh,
     stride_ks, stride_kh,
     stride_vs, stride_vh,
@@ -180,11 +184,16 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Causal: this block's last query sees positions up to prefix + its index, no further.
     end = tl.minimum(seq_len, prefix + (block_m + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    first = 0
+    # >>> ch29 a sliding window: its first query sees back to q_pos - window + 1, no further
+    first = tl.maximum(prefix + block_m * BLOCK_M - window + 1, 0) // BLOCK_N * BLOCK_N
+    # <<< ch29
+    for n0 in range(first, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible &= offs_n[None, :] > q_pos[:, None] - window  # [ch29]
         m_i, l_i, acc = _attend_block(
             q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
             n_mask[:, None] & d_mask[None, :], visible, sm_scale, m_i, l_i, acc, IEEE,
@@ -206,6 +215,9 @@ DECODE_PROGRAMS, DECODE_MAX_SPLITS, DECODE_BLOCK_N = 512, 32, 64
 DECODE_WARPS_FROM_BS8 = 2
 
 
+NO_WINDOW = 1 << 30  # a window longer than any context: every key  # [ch29]
+
+
 def decode_num_splits(batch_size: int, num_kv_heads: int) -> int:
     """Splits per (request, KV head): a power of two that shrinks as the batch grows."""
     splits = 1
@@ -222,8 +234,10 @@ def decode_attention(
     rows: torch.Tensor,
     seq_lens: torch.Tensor,
     sm_scale: float,
+    window: int | None = None,  # [ch29]
 ) -> torch.Tensor:
-    """q [bs, q_heads, head_dim]; k/v_cache [slots, kv_heads, head_dim]; rows, seq_lens [bs]."""
+    """q [bs, q_heads, head_dim]; k/v_cache [slots, kv_heads, head_dim]; rows, seq_lens [bs];
+    window: attend to the last `window` positions only."""
     bs, q_heads, head_dim = q.shape
     kv_heads = k_cache.size(1)
     group = q_heads // kv_heads
@@ -234,6 +248,7 @@ def decode_attention(
     _decode_split_kernel[(bs, kv_heads, splits)](
         q, k_cache, v_cache, page_table, rows, seq_lens, partial, lse,
         sm_scale,
+        window or NO_WINDOW,  # [ch29]
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
@@ -265,6 +280,7 @@ def extend_attention(
     qo_indptr: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    window: int | None = None,  # [ch29]
 ) -> torch.Tensor:
     """q [tokens, q_heads, head_dim]: request i's new tokens are q[qo_indptr[i]:qo_indptr[i+1]],
     the last positions of its `seq_lens[i]`; each sees its cached prefix and, causally, the
@@ -278,6 +294,7 @@ def extend_attention(
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, rows, seq_lens, qo_indptr,
         sm_scale,
+        window or NO_WINDOW,  # [ch29]
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),

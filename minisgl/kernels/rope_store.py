@@ -8,8 +8,10 @@ batch 1 for a few kilobytes of data. Here one program takes one (token, head): i
 the head once, normalises and rotates it in registers, and writes it where it goes: a
 query head to the output, a key head (and the value head beside it) to its KV slot.
 
-The rotation is the "neox" one: channel i pairs with channel i + head_dim / 2, and the
-angle table holds, for each position, the cosines of the pairs and then their sines.
+The rotation is the "neox" one: channel i pairs with channel i + rotary_dim / 2, and the
+angle table holds, for each position, the cosines of the pairs and then their sines. Its
+width is the number of channels that turn: all of a head's, or (partial rotary, chapter 29)
+the first ones, the rest passing through unrotated.
 """
 
 from __future__ import annotations
@@ -27,28 +29,39 @@ def _qk_rope_store_kernel(
     stride_t, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
     stride_cs,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, QK_NORM: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEAD: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,  # [ch29]
+    QK_NORM: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..Q_HEADS-1: a query head; then the key heads
-    half: tl.constexpr = HEAD_DIM // 2
+    half: tl.constexpr = ROTARY_DIM // 2  # the angle table's width: the channels that turn
     offs = tl.arange(0, BLOCK_HALF)
     mask = offs < half
     row = QKV + t * stride_t + h * HEAD_DIM  # q and k heads lie side by side in qkv
     x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(row + half + offs, mask=mask, other=0.0).to(tl.float32)
+    squares = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
+    # >>> ch29 partial rotary: the channels past the table's pass unrotated
+    offs_p = ROTARY_DIM + tl.arange(0, BLOCK_PASS)
+    mask_p = offs_p < HEAD_DIM
+    xp = tl.load(row + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+    squares += tl.sum(xp * xp, 0)
+    # <<< ch29
     dtype = QKV.dtype.element_ty
     if QK_NORM:
         if h < Q_HEADS:  # noqa: SIM108 (a runtime branch of the kernel)
             w = q_weight
         else:
             w = k_weight
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / HEAD_DIM + eps)
+        rstd = tl.rsqrt(squares / HEAD_DIM + eps)
         # rounded to the model dtype between the steps, as the unfused layers do
         w1 = tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w + half + offs, mask=mask, other=0.0).to(tl.float32)
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+        wp = tl.load(w + offs_p, mask=mask_p, other=0.0).to(tl.float32)  # [ch29]
+        xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)  # [ch29]
     pos = tl.load(positions + t).to(tl.int64)
     cos = tl.load(cos_sin + pos * stride_cs + offs, mask=mask, other=0.0)
     sin = tl.load(cos_sin + pos * stride_cs + half + offs, mask=mask, other=0.0)
@@ -58,18 +71,19 @@ def _qk_rope_store_kernel(
         out = Q_OUT + t * stride_qo_t + h * stride_qo_h
         tl.store(out + offs, y1, mask=mask)
         tl.store(out + half + offs, y2, mask=mask)
+        tl.store(out + offs_p, xp.to(dtype), mask=mask_p)  # [ch29]
     else:
         kv_head = h - Q_HEADS
         slot = tl.load(out_loc + t).to(tl.int64)
         k_out = K_CACHE + slot * stride_kc_s + kv_head * stride_kc_h
         tl.store(k_out + offs, _cached(y1, K_CACHE), mask=mask)
         tl.store(k_out + half + offs, _cached(y2, K_CACHE), mask=mask)
+        tl.store(k_out + offs_p, _cached(xp.to(dtype), K_CACHE), mask=mask_p)  # [ch29]
         v_row = row + KV_HEADS * HEAD_DIM  # the value head sits KV_HEADS heads further on
         v_out = V_CACHE + slot * stride_vc_s + kv_head * stride_vc_h
-        v1 = tl.load(v_row + offs, mask=mask)
-        v2 = tl.load(v_row + half + offs, mask=mask)
-        tl.store(v_out + offs, _cached(v1, V_CACHE), mask=mask)
-        tl.store(v_out + half + offs, _cached(v2, V_CACHE), mask=mask)
+        offs_d = tl.arange(0, BLOCK_HEAD)
+        v = tl.load(v_row + offs_d, mask=offs_d < HEAD_DIM)
+        tl.store(v_out + offs_d, _cached(v, V_CACHE), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -99,8 +113,10 @@ def qk_rope_store(
 ) -> torch.Tensor:
     """qkv [tokens, (q_heads + 2 kv_heads) * head_dim] -> rotated q [tokens, q_heads, head_dim];
     the rotated keys and the values land in k/v_cache [slots, kv_heads, head_dim] at out_loc.
-    With q_weight and k_weight, each q and k head is RMS-normalised first (Qwen3)."""
-    assert qkv.stride(-1) == 1 and head_dim % 2 == 0
+    With q_weight and k_weight, each q and k head is RMS-normalised first (Qwen3). cos_sin
+    [positions, rotary_dim]: the first rotary_dim channels of a head turn."""
+    rotary_dim = cos_sin.size(1)
+    assert qkv.stride(-1) == 1 and rotary_dim % 2 == 0 and rotary_dim <= head_dim
     tokens = qkv.size(0)
     q = torch.empty(tokens, q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:
@@ -112,7 +128,10 @@ def qk_rope_store(
         qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos_sin.stride(0),
-        Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), QK_NORM=qk_norm,
+        Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_HEAD=triton.next_power_of_2(head_dim),
+        BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),  # [ch29]
+        QK_NORM=qk_norm,
     )  # fmt: skip
     return q

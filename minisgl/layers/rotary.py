@@ -12,18 +12,32 @@ import functools
 import torch
 
 from minisgl.layers.fused import fused_ops  # [ch19]
+from minisgl.layers.rope_scaling import RopeScaling, frequencies  # [ch29]
 
 
 class RotaryEmbedding:
-    def __init__(self, head_dim: int, base: float, max_position: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        base: float,
+        max_position: int,
+        device: torch.device,
+        rope: RopeScaling | None = None,  # a variant, in full: it overrides base  # [ch29]
+    ) -> None:
         # fp32 tables whatever the model dtype, cast per use, as the reference does.
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim
-        inv_freq = 1.0 / (base**exponents)
+        inv_freq, scale = 1.0 / (base**exponents), 1.0
+        # >>> ch29 a scaled variant's frequencies, maybe for the first channels only
+        if rope is not None:
+            inv_freq, scale = frequencies(rope, device)
+            max_position = max(rope.context, max_position)  # the engine's may be longer
+        # <<< ch29
+        self.rotary_dim = 2 * inv_freq.numel()  # the channels that turn (partial rotary: not all)
         positions = torch.arange(max_position, dtype=torch.float, device=device)
         angles = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
-        self.cos, self.sin = angles.cos(), angles.sin()  # [max_position, head_dim]
+        self.cos, self.sin = angles.cos() * scale, angles.sin() * scale  # [max_position, dim]
         # >>> ch19 FlashInfer's layout: [max_position, cos of each pair | sin of each pair]
-        half = head_dim // 2
+        half = self.rotary_dim // 2
         self.cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1).contiguous()
         # <<< ch19
 
@@ -43,6 +57,11 @@ class RotaryEmbedding:
     def reference(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # >>> ch29 partial rotary: the channels past rotary_dim pass unrotated
+        if (dim := self.rotary_dim) < q.size(-1):
+            q_rot, k_rot = self.reference(positions, q[..., :dim], k[..., :dim])
+            return torch.cat([q_rot, q[..., dim:]], -1), torch.cat([k_rot, k[..., dim:]], -1)
+        # <<< ch29
         cos = self.cos[positions].to(q.dtype)[:, None, :]
         sin = self.sin[positions].to(q.dtype)[:, None, :]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -50,8 +69,16 @@ class RotaryEmbedding:
 
 @functools.cache
 def get_rope(
-    head_dim: int, base: float, max_position: int, device: torch.device
+    head_dim: int,
+    base: float,
+    max_position: int,
+    device: torch.device,
+    rope: RopeScaling | None = None,  # [ch29]
 ) -> RotaryEmbedding:
+    # >>> ch29
+    if rope is not None:
+        return RotaryEmbedding(head_dim, base, max_position, device, rope)
+    # <<< ch29
     return RotaryEmbedding(head_dim, base, max_position, device)
 
 

@@ -11,7 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from minisgl.layers.rope_scaling import ROPE_ALIASES, ROPE_TYPES, RopeScaling  # [ch29]
+from minisgl.models.families import family_fields, text_model_config  # [ch29]
 from minisgl.quant.config import Fp8Checkpoint, parse_quantization_config  # [ch28]
+
+SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
+SUPPORTED_ACTIVATIONS += ("gelu_pytorch_tanh",)  # Gemma's GELU, tanh-approximated  # [ch29]
+SUPPORTED_ROPE: tuple[str, ...] = ("default",)
+SUPPORTED_ROPE = (*ROPE_TYPES, *ROPE_ALIASES)  # scaled variants  # [ch29]
 
 
 @dataclass(frozen=True)
@@ -43,21 +50,32 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool
     dtype: str | None  # the checkpoint's own dtype, e.g. "bfloat16"
-    # Mistral-style local attention; we attend globally, so contexts are capped at this.
-    sliding_window: int | None
+    sliding_window: int | None  # Mistral-style local attention: the last this many positions
     moe: MoEConfig | None
     quantization: Fp8Checkpoint | None = None  # the checkpoint's own (FP8 weights)  # [ch28]
+    # >>> ch29 more model families
+    rope: RopeScaling | None = None  # the full-attention layers' RoPE (its variant, its channels)
+    local_rope: RopeScaling | None = None  # the sliding layers' own, where it differs (Gemma 3)
+    layer_types: tuple[str, ...] = ()  # "sliding_attention" or "full_attention", per layer
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power
+    final_logit_softcapping: float | None = None  # Gemma: logits = cap * tanh(logits / cap)
+    rope_context: int = 0  # positions the RoPE tables serve: set by the engine to its context
+    # <<< ch29
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        raw = text_model_config(raw)  # Gemma 3's defaults, a multimodal config's text  # [ch29]
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures': cannot tell which model to build")
         num_heads = raw["num_attention_heads"]
         hidden_size = raw["hidden_size"]
+        head_dim = raw.get("head_dim") or hidden_size // num_heads
         act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {act!r} is not supported: only {SUPPORTED_ACTIVATIONS}")
+        sliding_window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
         return cls(
             architecture=archs[0],
             vocab_size=raw["vocab_size"],
@@ -66,18 +84,17 @@ class ModelConfig:
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-            head_dim=raw.get("head_dim") or hidden_size // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=raw.get("attention_bias", False),
             dtype=raw.get("dtype") or raw.get("torch_dtype"),
-            sliding_window=raw.get("sliding_window")
-            if raw.get("use_sliding_window", True)
-            else None,
+            sliding_window=sliding_window,
             moe=_moe(raw),
             quantization=parse_quantization_config(raw.get("quantization_config")),  # [ch28]
+            **family_fields(raw, head_dim, sliding_window),  # [ch29]
         )
 
     @classmethod
@@ -92,9 +109,10 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     # transformers 5 writes `rope_parameters: {rope_theta, rope_type}`; older configs use
     # a top-level `rope_theta` and maybe `rope_scaling`.
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported (only plain RoPE)")
+    params = params.get("full_attention", params)  # one per layer type: the global one  # [ch29]
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    if rope_type not in SUPPORTED_ROPE:
+        raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE}")
     return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 

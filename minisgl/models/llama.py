@@ -21,6 +21,7 @@ from minisgl.layers.rotary import get_rope
 from minisgl.layers.triton_ops import gemv_projection  # [ch20]
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
+from minisgl.models.families import layer_rope  # [ch29]
 from minisgl.quant.fp8 import fp8_projection, is_fp8  # [ch28]
 
 
@@ -61,7 +62,13 @@ class LlamaAttention(nn.Module):
             bias=qkv_bias,
             split=Split.qkv(c.num_heads, c.num_kv_heads, c.head_dim),  # [ch21]
         )
-        rope = get_rope(c.head_dim, c.rope_theta, c.max_position_embeddings, _device())
+        rope = get_rope(
+            c.head_dim,
+            c.rope_theta,
+            c.max_position_embeddings,
+            _device(),
+            layer_rope(c, layer_id),  # its variant, or a sliding layer's own  # [ch29]
+        )
         eps = c.rms_norm_eps if qk_norm else None
         heads, kv_heads = c.num_heads, c.num_kv_heads
         heads, kv_heads = rank_heads(heads, kv_heads)  # this rank's share of them  # [ch21]

@@ -1,4 +1,4 @@
-"""Mistral: the Llama architecture (its sliding window is handled by capping the context)."""
+"""Mistral: the Llama architecture; its sliding window is the attention backends' (ch29)."""
 
 from minisgl.models.llama import LlamaForCausalLM
 

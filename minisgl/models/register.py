@@ -13,6 +13,11 @@ _MODELS = {
     "Qwen3ForCausalLM": "minisgl.models.qwen3",
     "Qwen3MoeForCausalLM": "minisgl.models.qwen3_moe",
     "MistralForCausalLM": "minisgl.models.mistral",
+    # >>> ch29
+    "Gemma3ForCausalLM": "minisgl.models.gemma3",
+    "Gemma3ForConditionalGeneration": "minisgl.models.gemma3",
+    "Phi3ForCausalLM": "minisgl.models.phi3",
+    # <<< ch29
 }
 
 

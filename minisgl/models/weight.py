@@ -18,6 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minisgl.layers.parallel import read_rank_slice  # [ch21]
+from minisgl.models.families import text_model_name  # [ch29]
 from minisgl.quant.load import Fp8Loader  # [ch28]
 
 # Pieces that are concatenated (along dim 0) into one of our tensors, in this order.
@@ -64,10 +65,15 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if fp8 is not None and fp8.take(f, name):  # [ch28]
                     continue  # [ch28]
-                target, expert, part = place(name)
+                ours = name  # what our model calls it
+                # >>> ch29 a multimodal checkpoint: its text model under a prefix, a vision tower
+                if (ours := text_model_name(name)) is None:
+                    continue
+                # <<< ch29
+                target, expert, part = place(ours)
                 if target in params:
                     found[target][expert, part] = _read(f, name, params[target], expert, part)
-                elif not (tied_head and name == "lm_head.weight"):
+                elif not (tied_head and ours == "lm_head.weight"):
                     unexpected.append(name)  # a tied checkpoint may still carry a copy: fine
     missing = sorted(set(params) - set(found))
     if missing or unexpected:
@@ -86,6 +92,11 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                     f"{tuple(param.shape)}"
                 )
             param.copy_(tensor)
+    # >>> ch29 layers that keep a checkpoint tensor in a form of their own (Gemma's norms)
+    for module in model.modules():
+        if hasattr(module, "after_load"):
+            module.after_load()
+    # <<< ch29
 
 
 def _read(

@@ -1,0 +1,119 @@
+"""Chapter 29: more model families - RoPE variants, sliding windows, Gemma 3 and Phi-3.
+
+Reads the published configs of Llama 3.1 and Phi-4-mini and shows what their RoPE variants
+do to the frequencies; then builds three tiny random models (Mistral with a sliding window,
+Gemma 3, Phi-3 with longrope and partial rotary) from a seed, serves a prompt longer than
+their windows and pretrained contexts, and compares every position's logits with
+transformers under teacher forcing.
+
+Run from the repo root: python examples/ch29_model_families.py
+"""
+
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, Phi3Config
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.engine import Engine
+from minisgl.layers.rope_scaling import frequencies
+from minisgl.models.config import ModelConfig
+from minisgl.models.families import context_length, layer_rope
+
+CPU = torch.device("cpu")
+
+# ---- 1. what a RoPE variant changes: the frequencies, and a scale on cos and sin ------------
+llama31 = {
+    "architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+}  # fmt: skip
+variants = {
+    "llama3 (Llama 3.1)": llama31,
+    "yarn x4 (Qwen2.5's recipe)": {
+        **llama31, "max_position_embeddings": 32768, "rope_theta": 1e6,
+        "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    },
+    "longrope (Phi-4-mini-like)": {
+        **llama31, "hidden_size": 3072, "num_attention_heads": 24, "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.75, "original_max_position_embeddings": 4096,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48,
+                         "long_factor": [1.0 + i for i in range(48)]},
+    },
+}  # fmt: skip
+print("variant                      context  turned  longest wavelength  cos/sin scale")
+for name, raw in variants.items():
+    config = ModelConfig.from_dict(raw)
+    rope = layer_rope(config, 0)
+    plain = layer_rope(ModelConfig.from_dict({**raw, "rope_scaling": None}), 0)
+    inv_freq, scale = frequencies(rope, CPU)
+    longest, was = 2 * math.pi / inv_freq.min(), 2 * math.pi / frequencies(plain, CPU)[0].min()
+    print(f"{name:<28} {context_length(config):>7} {rope.rotary_dim:>4}/{config.head_dim}"
+          f"  {was:>9.0f} -> {longest:>9.0f}  {scale:.4f}")  # fmt: skip
+
+
+# ---- 2. three tiny families against transformers -----------------------------------------
+def tiny(kind: str) -> object:
+    base = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    if kind == "mistral":
+        return MistralConfig(**base, sliding_window=8, architectures=["MistralForCausalLM"])
+    if kind == "gemma3":
+        return Gemma3TextConfig(
+            **base,
+            head_dim=16,
+            sliding_window=8,
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=24,
+            architectures=["Gemma3ForCausalLM"],
+        )
+    return Phi3Config(
+        **base, original_max_position_embeddings=32, partial_rotary_factor=0.75,
+        rope_scaling={"type": "longrope", "short_factor": [1.0] * 6,
+                      "long_factor": [1.0 + i for i in range(6)]},
+        architectures=["Phi3ForCausalLM"], pad_token_id=0,
+    )  # fmt: skip
+
+
+ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(0)).tolist()
+print(f"\na {len(ids)}-token prompt: longer than the windows (8) and than Phi-3's 32 positions")
+with tempfile.TemporaryDirectory() as root:
+    for kind in ("mistral", "gemma3", "phi3"):
+        torch.manual_seed(0)
+        hf = AutoModelForCausalLM.from_config(tiny(kind), dtype=torch.float32).eval()
+        hf.save_pretrained(Path(root) / kind)
+        with torch.no_grad():
+            want = hf(torch.tensor([ids])).logits[0]
+        engine = Engine(
+            EngineConfig(
+                str(Path(root) / kind),
+                dtype=torch.float32,
+                device="cpu",
+                num_page_override=16,
+                page_size=4,
+                max_running_req=1,
+            )
+        )
+        req = Req(torch.tensor(ids, dtype=torch.int32), 0, 0, 1, 0, SamplingParams())
+        engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
+        engine.token_pool[0, : len(ids)] = req.input_ids
+        batch = Batch([req], "prefill")
+        engine.prepare_batch(batch)
+        with torch.inference_mode(), engine.ctx.forward_batch(batch):
+            got = engine.model.lm_head.project(engine.model.model(batch.input_ids))
+        windows = engine.attn_backend.windows
+        print(f"  {kind:<8} context {engine.max_seq_len:>4}, windows per layer {windows}: "
+              f"max |logits - transformers| {(got - want).abs().max():.1e}")  # fmt: skip
+        engine.shutdown()
