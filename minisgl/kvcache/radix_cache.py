@@ -26,6 +26,15 @@ if TYPE_CHECKING:  # [ch27]
 _clock = itertools.count()
 
 
+# >>> ch30
+def access_tick() -> int:
+    """A tick of the clock that orders accesses: the live page dates a node's last use by it."""
+    return next(_clock)
+
+
+# <<< ch30
+
+
 class RadixNode:
     def __init__(self, key: torch.Tensor, value: torch.Tensor, parent: RadixNode | None) -> None:
         self.key = key  # token ids on the edge into this node

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from minisgl.core import SamplingParams
+from minisgl.message.dashboard import DashboardSnapshot, WatchMsg  # noqa: F401  # [ch30]
 from minisgl.message.logprobs import PromptLogprobs  # [ch25]
 
 
@@ -73,3 +74,4 @@ class SchedulerOutput:
 
     tokens: list[TokenMsg]
     stats: SchedulerStats
+    dashboard: DashboardSnapshot | None = None  # while a page watches  # [ch30]

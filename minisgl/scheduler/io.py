@@ -18,6 +18,7 @@ from minisgl.message.frontend import ReadyMsg
 from minisgl.message.transport import Reader, Writer, address
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.flush import CacheFlusher  # [ch27]
+from minisgl.scheduler.observe import Observer  # [ch30]
 from minisgl.scheduler.ranks import share_messages  # [ch21]
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.tokenizer import Tokenizer
@@ -43,6 +44,7 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
 def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
     parent = os.getppid()
     flusher = CacheFlusher(scheduler)  # [ch27]
+    observer = Observer(scheduler)  # snapshots for the live page, while one watches  # [ch30]
     while os.getppid() == parent:
         if scheduler.has_work:
             messages = inbox.recv_all()
@@ -51,13 +53,16 @@ def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
             messages = [first, *inbox.recv_all()] if first is not None else []
         messages = share_messages(messages)  # every rank applies the same ones  # [ch21]
         flusher.apply(messages)  # [ch27]
+        observer.receive(messages)  # [ch30]
         refused = scheduler.receive(messages)
         stepped = scheduler.has_work
         tokens = scheduler.step() if stepped else []
         if stepped or refused or messages:
             stats = scheduler_stats(scheduler)
             flusher.report(stats)  # [ch27]
-            outbox.send(SchedulerOutput(refused + tokens, stats))
+            output = SchedulerOutput(refused + tokens, stats)
+            output.dashboard = observer.publish(tokens)  # [ch30]
+            outbox.send(output)
 
 
 def run_scheduler_worker(config: SchedulerConfig, ipc_dir: str, log_level: str) -> None:

@@ -31,6 +31,7 @@ from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
 from minisgl.scheduler.kv_events import publishes_kv_events, start_kv_events  # [ch27]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
+from minisgl.scheduler.observe import StepLog  # [ch30]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
 from minisgl.speculative.step import Speculator  # [ch26]
@@ -67,6 +68,7 @@ class Scheduler:
         self.logprobs = LogprobCollector()  # [ch25]
         self.spec = Speculator(self, config)  # [ch26]
         self.kv_events = start_kv_events(config, self.cache, engine.device)  # [ch27]
+        self.steps = StepLog(engine.device)  # the live page's record, while one watches  # [ch30]
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -168,8 +170,10 @@ class Scheduler:
     def _launch(self, batch: Batch) -> InFlight:
         self.cache.allocate(batch.reqs)
         emits = [not req.mid_prompt for req in batch.reqs]
+        began = self.steps.begin()  # [ch30]
         self.engine.prepare_batch(batch)
         flight = self._forward(batch, emits)
+        self.steps.end(batch, began, self.engine)  # [ch30]
         for req, emit in zip(batch.reqs, emits):
             if emit:
                 req.complete_one()

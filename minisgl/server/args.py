@@ -32,6 +32,7 @@ _PREFILL_GRAPHS = ["off", "breakable", "full"]  # [ch23]
 _PREFILL_HELP = "prefill CUDA graphs (default: breakable on CUDA, off on CPU)"  # [ch23]
 _FP8_HELP = "fp8: FP8 projections, a scale per row (an FP8 checkpoint loads without it)"  # [ch28]
 _KV_HELP = "fp8_e4m3 (or fp8): keys and values stored in e4m3, twice the tokens"  # [ch28]
+_TEXT_HELP = "/dashboard shows prompts and outputs as text (default: token counts only)"  # [ch30]
 
 
 @dataclass
@@ -47,6 +48,8 @@ class ServerArgs:
     worker_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
     replicas: Replicas | None = None  # --dp-size > 1: this process starts them  # [ch27]
+    dashboard: bool = True  # GET /dashboard and its routes  # [ch30]
+    dashboard_text: bool = False  # the page shows prompts and outputs as text  # [ch30]
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -100,6 +103,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--port", type=int, default=1919)
     p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--no-dashboard", action="store_true", help="no /dashboard routes")  # [ch30]
+    p.add_argument("--dashboard-text", action="store_true", help=_TEXT_HELP)  # [ch30]
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -142,4 +147,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         a.worker_timeout,
         a.node_rank,  # [ch21]
         check_dp_options(p, a),  # [ch27]
+        not a.no_dashboard,  # [ch30]
+        a.dashboard_text,  # [ch30]
     )

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from minisgl.message.backend import AbortMsg, SchedulerStats
 from minisgl.message.codec import encode
+from minisgl.message.dashboard import DashboardSnapshot  # [ch30]
 from minisgl.message.frontend import AcceptedMsg, DeltaMsg, RejectedMsg, TokenizeMsg
 from minisgl.message.transport import AsyncReader, AsyncWriter, address
 from minisgl.server.logprobs import FullChoice  # [ch25]
@@ -57,6 +58,7 @@ class Frontend:
         self.refusal: APIError | None = None  # once set, every new request gets it
         self.failed = False  # every request was ended (`fail`): the workers may be gone
         self.heard = time.monotonic()  # the workers' last word, or the first request since
+        self.dashboard: DashboardSnapshot | None = None  # the live page's latest  # [ch30]
 
     async def receive_forever(self) -> None:
         while True:
@@ -64,6 +66,8 @@ class Frontend:
             self.heard = time.monotonic()
             if isinstance(msg, SchedulerStats):
                 self.metrics.stats = msg
+            elif isinstance(msg, DashboardSnapshot):  # [ch30]
+                self.dashboard = msg  # [ch30]
             elif (queue := self.queues.get(msg.uid)) is not None:
                 queue.put_nowait(msg)
 

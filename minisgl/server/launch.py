@@ -17,6 +17,7 @@ import uvicorn
 from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
 from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.dashboard import add_dashboard_routes  # [ch30]
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.replicas import serve_replicas  # [ch27]
@@ -41,6 +42,8 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         ready=lambda: server.ready(),
     )
     add_worker_routes(app, frontend, args, limits, tree.ipc_dir)  # what routers ask  # [ch27]
+    if args.dashboard:  # [ch30]
+        add_dashboard_routes(app, frontend, tree.ipc_dir, args.dashboard_text)  # [ch30]
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     timeouts = args.shutdown_timeout, args.worker_timeout
     server = Supervisor(config, frontend, tree.dead, *timeouts)

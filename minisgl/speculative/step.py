@@ -201,8 +201,10 @@ class Speculator:
         batch = Batch(reqs, "verify")
         self.num_forwards += 1
         s.cache.allocate(reqs)
+        began = s.steps.begin()  # [ch30]
         engine.prepare_batch(batch)
         accepted, final = accept_drafts(engine.logits(batch), reqs, drafts, pool)
+        s.steps.end(batch, began, engine)  # [ch30]
         # The token after the accepted drafts takes the place of the first rejected one.
         pool.put_(after_d + accepted, final)
         both = to_host(torch.stack([accepted, final.long()]))

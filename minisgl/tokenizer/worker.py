@@ -99,6 +99,8 @@ class TokenizerWorker:
                     self.to_scheduler.send(AbortMsg(msg.uid))
                 self.fail(msg.uid, "detokenizing", e)
         self.to_api.send(out.stats)
+        if out.dashboard is not None:  # the live page's snapshot, its token ids as text  # [ch30]
+            self.to_api.send(out.dashboard.with_text(self.tokenizer.decode))  # [ch30]
 
     def fail(self, uid: int, doing: str, e: Exception) -> None:
         """One request hit a bug: it ends with a 500; the log has the traceback."""

@@ -1,0 +1,409 @@
+"""What the live page shows, recorded by the scheduler only while a page looks (chapter 30).
+
+Two parts. `StepLog` is written by the scheduler around each forward: a fixed-size ring of
+the last steps (their kind, batch, tokens, graph and time) and the graph hits by batch
+size. `Observer` is driven by the worker loop: it takes the watch leases the API server
+sends, notes when requests arrive and produce their first token, and at a few snapshots a
+second reads the scheduler's own state (its requests, the owner of every KV page, the
+radix tree) into a `DashboardSnapshot`.
+
+Without a lease nothing is recorded: the step log's `begin` returns None, the observer's
+`publish` returns None, and that is the whole cost. With one, the step log costs two
+clock reads (two CUDA events on a GPU, read later, never waited for) and a tuple per step;
+building a snapshot is kept under about 1% of the loop's time by spacing snapshots out
+when one takes long (a big tree, a big pool).
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import statistics
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from minisgl.core import Batch
+from minisgl.kvcache.radix_cache import RadixCache, RadixNode, access_tick
+from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
+from minisgl.message.dashboard import DashboardSnapshot, WatchMsg
+from minisgl.utils import cdiv
+
+if TYPE_CHECKING:
+    from minisgl.engine.engine import Engine
+    from minisgl.scheduler.scheduler import Scheduler
+
+STEPS = 256  # forwards kept in the ring
+FINISHED = 24  # finished requests kept for the page
+WAITING = 64  # queued requests listed (all are counted)
+TREE_NODES = 80  # radix nodes drawn: the largest subtrees
+GRID_CELLS = 4096  # cells of the page grid; a bigger pool shares cells among pages
+EVERY_S = 0.25  # between two snapshots, at least
+BUDGET = 0.005  # the share of the time that building snapshots may take
+WINDOW_S = 5.0  # rates are over this many seconds
+TICK_EVERY_S = 0.05  # the radix clock is read this often, to date a node's last use
+PROMPT_IDS, OUTPUT_IDS, NODE_IDS = 32, 32, 12  # token ids sent for text (a prompt's last)
+FREE, RUNNING, CACHED, LOCKED = b"frcl"  # a page's state, as the grid's letters
+STEP_FIELDS = ("step", "time", "kind", "size", "tokens", "chunks", "graph", "padded", "ms")
+
+
+class StepLog:
+    """The last forwards, in a ring the scheduler writes while `on` (a page is watching)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.on = False
+        self.cuda = device.type == "cuda"
+        self.ring: deque[list[Any]] = deque(maxlen=STEPS)
+        self.count = 0
+        self.graphs: dict[tuple[str, int, int], list[int]] = {}  # -> [replays, steps]
+
+    def begin(self) -> Any:
+        """Before a forward is prepared: its start mark, or None when nobody watches."""
+        if not self.on:
+            return None
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def end(self, batch: Batch, began: Any, engine: Engine) -> None:
+        """After the forward is launched: one record (its time is read later on a GPU)."""
+        if began is None:
+            return
+        if self.cuda:
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            ms: Any = (began, done)
+        else:
+            ms = (time.perf_counter() - began) * 1e3
+        graph = engine.graph_runner.can_use_cuda_graph(batch)
+        key = (batch.phase, batch.size, batch.padded_size if graph else batch.size)
+        hits = self.graphs.setdefault(key, [0, 0])
+        hits[0] += graph
+        hits[1] += 1
+        self.count += 1
+        tokens = sum(r.extend_len for r in batch.reqs)
+        chunks = sum(r.mid_prompt for r in batch.reqs)
+        self.ring.append(
+            [self.count, time.time(), batch.phase, batch.size, tokens, chunks, graph, key[2], ms]
+        )
+
+    def columns(self) -> dict[str, list[Any]]:
+        """The ring as one list per field; a GPU step whose events are not done yet has ms None."""
+        for rec in self.ring:
+            if isinstance(rec[-1], tuple):
+                start, done = rec[-1]
+                if done.query():
+                    rec[-1] = start.elapsed_time(done)
+        cols = [list(c) for c in zip(*self.ring)] if self.ring else [[] for _ in STEP_FIELDS]
+        cols[-1] = [None if isinstance(ms, tuple) else round(ms, 3) for ms in cols[-1]]
+        return dict(zip(STEP_FIELDS, cols))
+
+
+class Observer:
+    """Turns the scheduler's state into snapshots, while a watch lease lasts."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+        self.log: StepLog = scheduler.steps
+        self.until = 0.0  # the lease's end (monotonic)
+        self.text = False
+        self.seq = 0
+        self.next_at = 0.0
+        self.reqs: dict[int, dict[str, Any]] = {}  # by uid: arrival, first token, counts
+        self.finished: deque[dict[str, Any]] = deque(maxlen=FINISHED)
+        self.ttfts: deque[float] = deque(maxlen=64)
+        self.outputs: deque[tuple[float, int]] = deque(maxlen=4096)  # (time, tokens out)
+        self.ticks: deque[tuple[int, float]] = deque(maxlen=4096)  # the radix clock, dated
+        self.engine_info = engine_info(scheduler)
+
+    def receive(self, messages: list[Any]) -> None:
+        now = time.monotonic()
+        for msg in messages:
+            if isinstance(msg, WatchMsg):
+                if not self.log.on:
+                    self._start(now)
+                self.until, self.text = now + msg.seconds, msg.text
+            elif not self.log.on:
+                continue
+            elif isinstance(msg, UserMsg):
+                ids = msg.input_ids[-PROMPT_IDS:]
+                self.reqs[msg.uid] = _req_info(now, len(msg.input_ids), 0, ids, [])
+            elif isinstance(msg, AbortMsg) and (info := self.reqs.pop(msg.uid, None)):
+                self.finished.appendleft(self._ended(msg.uid, info, "abort", None, now))
+
+    def publish(self, tokens: list[TokenMsg]) -> DashboardSnapshot | None:
+        """A snapshot when one is due (None most steps, and always without a lease)."""
+        if not self.log.on:
+            return None
+        now = time.monotonic()
+        if now >= self.until:
+            self._stop()
+            return None
+        if not self.ticks or now - self.ticks[-1][1] >= TICK_EVERY_S:
+            self.ticks.append((access_tick(), now))
+        self._count(tokens, now)
+        if now < self.next_at:
+            return None
+        snapshot = self.snapshot(now)
+        spent = time.monotonic() - now
+        self.next_at = now + max(EVERY_S, spent / BUDGET)
+        return snapshot
+
+    def _start(self, now: float) -> None:
+        self.log.on, self.next_at = True, 0.0
+        for req in self.s.reqs.values():  # those already running, their arrival unknown
+            out = req.seq_len - req.prompt_len
+            self.reqs[req.uid] = _req_info(None, req.prompt_len, out, [], [])
+        for p in self.s.prefill.pending:
+            out = len(p.input_ids) - p.prompt_len
+            self.reqs[p.uid] = _req_info(None, p.prompt_len, out, [], [])
+
+    def _stop(self) -> None:
+        self.log.on = False
+        self.reqs.clear()  # requests may end unseen from now on
+
+    def _count(self, tokens: list[TokenMsg], now: float) -> None:
+        out = 0
+        for msg in tokens:
+            info = self.reqs.get(msg.uid)
+            if info is None or msg.error is not None:
+                continue
+            out += 1
+            info["output_tokens"] += 1
+            if self.text:
+                info["output_ids"] = (info["output_ids"] + [msg.token])[-OUTPUT_IDS:]
+            if info["ttft_ms"] is None and info["arrived"] is not None:
+                info["ttft_ms"] = round((now - info["arrived"]) * 1e3, 1)
+                self.ttfts.append(info["ttft_ms"])
+            if msg.finished:
+                del self.reqs[msg.uid]
+                self.finished.appendleft(
+                    self._ended(msg.uid, info, msg.finish_reason, msg.cached_tokens, now)
+                )
+        self.outputs.append((now, out))
+
+    def _ended(
+        self, uid: int, info: dict[str, Any], reason: str | None, cached: int | None, now: float
+    ) -> dict[str, Any]:
+        view = {"id": uid, "state": "finished", "reason": reason, "cached_tokens": cached}
+        view.update({k: info[k] for k in ("prompt_tokens", "output_tokens", "ttft_ms")})
+        view["time"] = time.time()
+        if info["arrived"] is not None:
+            view["latency_s"] = round(now - info["arrived"], 3)
+        if self.text:
+            view["prompt_ids"], view["output_ids"] = info["prompt_ids"], info["output_ids"]
+        return view
+
+    # ---- the snapshot ---------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> DashboardSnapshot:
+        self.seq += 1
+        s = self.s
+        steps = self.log.columns()
+        graphs = [[*key, *hits] for key, hits in sorted(self.log.graphs.items())]
+        return DashboardSnapshot(
+            seq=self.seq,
+            time=time.time(),
+            engine=self.engine_info | {"text": self.text},
+            counters=self._counters(now, steps),
+            steps=steps,
+            running=[self._running(req, now) for req in s.reqs.values()],
+            waiting=[self._waiting(p, now) for p in list(s.prefill.pending)[:WAITING]],
+            finished=list(self.finished),
+            pool=pool_view(s),
+            tree=self._tree(now),
+            graphs=graphs,
+        )
+
+    def _counters(self, now: float, steps: dict[str, list[Any]]) -> dict[str, Any]:
+        s, window = self.s, min(WINDOW_S, now - self.outputs[0][0]) if self.outputs else 0.0
+        out = sum(n for t, n in self.outputs if t >= now - window)
+        since = time.time() - window
+        prefill = sum(
+            n for t, k, n in zip(steps["time"], steps["kind"], steps["tokens"])
+            if k == "prefill" and t >= since
+        )  # fmt: skip
+        ttfts = sorted(self.ttfts)
+        return {
+            "tokens_per_s": round(out / window, 1) if window > 0 else 0.0,
+            "prefill_tokens_per_s": round(prefill / window, 1) if window > 0 else 0.0,
+            "ttft_ms_p50": statistics.median(ttfts) if ttfts else None,
+            "ttft_ms_p90": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+            "running": len(s.reqs),
+            "waiting": len(s.prefill.pending),
+            "preemptions_total": s.num_preemptions,
+            "cached_tokens_total": s.prefill.cached_tokens_total,
+            "steps_total": self.log.count,
+        }
+
+    def _running(self, req: Any, now: float) -> dict[str, Any]:
+        ps, s = self.s.cache.page_size, self.s
+        info = self.reqs.get(req.uid) or _req_info(None, req.prompt_len, 0, [], [])
+        view = {
+            "id": req.uid,
+            "state": "prefilling" if req is s.prefill.chunked else "decoding",
+            "prompt_tokens": req.prompt_len,
+            "computed_tokens": min(req.cached_len, req.seq_len),
+            "cached_tokens": req.cached_tokens,
+            "output_tokens": req.seq_len - req.prompt_len,
+            "max_tokens": req.max_device_len - req.prompt_len,
+            "pages": cdiv(req.alloc_len, ps),
+            "shared_pages": req.shared_len // ps,
+            "ttft_ms": info["ttft_ms"],
+            "age_s": round(now - info["arrived"], 2) if info["arrived"] is not None else None,
+        }
+        if s.spec.enabled:
+            view["spec_acceptance"] = round(s.spec.rate(req.uid), 3)
+        if self.text:
+            view["prompt_ids"] = req.input_ids[: req.prompt_len][-PROMPT_IDS:].tolist()
+            view["output_ids"] = req.input_ids[req.prompt_len :][-OUTPUT_IDS:].tolist()
+        return view
+
+    def _waiting(self, p: Any, now: float) -> dict[str, Any]:
+        info = self.reqs.get(p.uid)
+        arrived = info["arrived"] if info is not None else None
+        view = {
+            "id": p.uid,
+            "state": "queued" if p.cached_tokens is None else "preempted",
+            "prompt_tokens": p.prompt_len,
+            "output_tokens": len(p.input_ids) - p.prompt_len,
+            "max_tokens": p.max_device_len - p.prompt_len,
+            "age_s": round(now - arrived, 2) if arrived is not None else None,
+        }
+        if self.text:
+            view["prompt_ids"] = p.input_ids[: p.prompt_len][-PROMPT_IDS:].tolist()
+            view["output_ids"] = p.input_ids[p.prompt_len :][-OUTPUT_IDS:].tolist()
+        return view
+
+    def _tree(self, now: float) -> dict[str, Any]:
+        cache = self.s.cache.cache
+        if not isinstance(cache, RadixCache):
+            return {"nodes": [], "total_nodes": 0, "total_tokens": 0}
+        ticks = [t for t, _ in self.ticks]
+
+        def last_used(node: RadixNode) -> float | None:
+            i = bisect.bisect_left(ticks, node.last_access)
+            if i == 0 or i == len(ticks):  # before the page looked, or just now
+                return None if i == 0 else 0.0
+            return round(now - self.ticks[i][1], 2)
+
+        view = tree_view(cache.root, last_used, self.text)
+        view["clock_span_s"] = round(now - self.ticks[0][1], 1) if self.ticks else 0.0
+        return view
+
+
+def _req_info(
+    arrived: float | None, prompt: int, output: int, prompt_ids: list[int], out_ids: list[int]
+) -> dict[str, Any]:
+    return {
+        "arrived": arrived,
+        "ttft_ms": None,
+        "prompt_tokens": prompt,
+        "output_tokens": output,
+        "prompt_ids": prompt_ids,
+        "output_ids": out_ids,
+    }
+
+
+def engine_info(s: Scheduler) -> dict[str, Any]:
+    e = s.engine
+    return {
+        "model": e.config.model_path.rstrip("/").rsplit("/", 1)[-1],
+        "device": str(e.device),
+        "dtype": str(e.dtype).removeprefix("torch."),
+        "attention": e.attn_backend.name,
+        "num_pages": s.cache.num_pages,
+        "page_size": s.cache.page_size,
+        "max_running_requests": s.limits.max_running_req,
+        "max_prefill_length": s.prefill.max_prefill_length,
+        "decode_graphs": sorted(e.graph_runner.graph_map),
+        "overlap": s.overlap,
+        "speculative": s.spec.enabled,
+    }
+
+
+def pool_view(s: Scheduler) -> dict[str, Any]:
+    """Every page's owner, as check_integrity finds it: the cache's nodes (locked by a running
+    request or evictable), the running requests' own pages, and free for the rest."""
+    cm, ps = s.cache, s.cache.page_size
+    state = np.full(cm.num_pages, FREE, dtype=np.uint8)
+    if isinstance(cm.cache, RadixCache):
+        nodes = _nodes(cm.cache.root)[1:]
+        if nodes:
+            pages = (torch.cat([n.value for n in nodes])[::ps] // ps).numpy()
+            locked = [LOCKED if n.ref_count else CACHED for n in nodes]
+            counts = [len(n.value) // ps for n in nodes]
+            state[pages] = np.repeat(np.array(locked, dtype=np.uint8), counts)
+    for req in s.reqs.values():
+        own = cm.host_table[req.table_idx, req.shared_len : req.alloc_len][::ps] // ps
+        state[own.numpy()] = RUNNING
+    counts = {name: int((state == code).sum()) for name, code in _STATES.items()}
+    cell = cdiv(cm.num_pages, GRID_CELLS)
+    grid = state
+    if cell > 1:  # each cell shows the state most of its pages are in
+        padded = np.full(cdiv(cm.num_pages, cell) * cell, FREE, dtype=np.uint8)
+        padded[: cm.num_pages] = state
+        per = np.stack([(padded.reshape(-1, cell) == c).sum(1) for c in _STATES.values()])
+        grid = np.frombuffer(bytes(_STATES.values()), dtype=np.uint8)[per.argmax(0)]
+    return {"pages": cm.num_pages, "page_size": ps, "cell_pages": cell, **counts,
+            "grid": grid.tobytes()}  # fmt: skip
+
+
+_STATES = {"free": FREE, "running": RUNNING, "cached": CACHED, "locked": LOCKED}
+
+
+def _nodes(root: RadixNode) -> list[RadixNode]:
+    """Every node, each after its parent."""
+    out, todo = [], [root]
+    while todo:
+        node = todo.pop()
+        out.append(node)
+        todo.extend(node.children.values())
+    return out
+
+
+def tree_view(root: RadixNode, last_used: Any, text: bool) -> dict[str, Any]:
+    """The tree's largest subtrees, at most TREE_NODES nodes, each drawn after its parent:
+    from the root, the shown node whose hidden child holds the most tokens shows it next."""
+    nodes = _nodes(root)
+    size = {id(n): len(n.key) for n in nodes}
+    for node in reversed(nodes):  # children before parents
+        if node.parent is not None:
+            size[id(node.parent)] += size[id(node)]
+    index = {id(root): 0}
+    shown, frontier = [root], []
+    order = itertools.count()  # ties go to the older entry
+
+    def offer(node: RadixNode) -> None:
+        for child in node.children.values():
+            heapq.heappush(frontier, (-size[id(child)], next(order), child))
+
+    offer(root)
+    while frontier and len(shown) < TREE_NODES:
+        best = heapq.heappop(frontier)[2]
+        index[id(best)] = len(shown)
+        shown.append(best)
+        offer(best)
+    views = []
+    for node in shown:
+        kids = node.children.values()
+        view = {
+            "id": index[id(node)],
+            "parent": index[id(node.parent)] if node.parent is not None else None,
+            "tokens": len(node.key),
+            "subtree_tokens": size[id(node)],
+            "refs": node.ref_count if node.parent is not None else 0,
+            "children": len(kids),
+            "hidden_children": sum(id(k) not in index for k in kids),
+            "last_used_s": last_used(node) if node.parent is not None else None,
+        }
+        if text and node.parent is not None:
+            view["ids"] = node.key[:NODE_IDS].tolist()
+        views.append(view)
+    return {"nodes": views, "total_nodes": len(nodes) - 1, "total_tokens": size[id(root)]}
