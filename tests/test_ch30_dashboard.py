@@ -1,0 +1,339 @@
+"""Chapter 30: the live page, from the scheduler's record to what a real browser shows.
+
+In-process, on the offline LLM: nothing is recorded without a watch lease; with one, the
+snapshot's page counts are the cache manager's own, and the radix tree shows a shared
+prompt as one node. End to end: a live server on SmolLM2, a workload with a shared system
+prompt, a prompt longer than the prefill budget and more requests than may run at once,
+and the page in headless Chromium (Debian's chromium and chromium-driver, driven by
+selenium). Mid-run the scheduler process is stopped (SIGSTOP), so that the page and
+/dashboard/state hold the same snapshot while requests run and wait; the page must show
+exactly what the state says, and at the end what the clients and /metrics say.
+Screenshots go to $MINISGL_ARTIFACTS (default: artifacts/ at the repo root).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import ROOT, SMOL, TINY, need
+from test_server import Server, descendants, metrics, running
+
+from minisgl.core import SamplingParams
+from minisgl.llm import LLM
+from minisgl.message.backend import UserMsg
+from minisgl.message.codec import decode, encode
+from minisgl.message.dashboard import WatchMsg
+from minisgl.scheduler.observe import Observer
+from minisgl.tokenizer.tokenizer import Tokenizer
+
+try:
+    import httpx
+except ModuleNotFoundError:  # the openai client may come with the httpx2 fork instead
+    import httpx2 as httpx
+
+PAGE_SIZE = 4
+SYSTEM = (
+    "You are a patient geography teacher. You answer every question in one or two short "
+    "sentences, and you name the country and the continent of every place you mention."
+)
+QUESTIONS = ["Where is Lima?", "What is the capital of Kenya?", "Where is Oslo?",
+             "Which river runs through Cairo?", "Where is the Gobi desert?"]  # fmt: skip
+LONG = "Tell me about the history of the Silk Road. " * 12  # over the prefill budget
+FLAGS = [
+    "--page-size", str(PAGE_SIZE), "--num-pages", "160", "--max-running-requests", "4",
+    "--max-prefill-length", "48", "--cuda-graph-max-bs", "4", "--log-level", "WARNING",
+]  # fmt: skip
+
+
+# ---- the scheduler's record, in-process ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    llm = LLM(
+        str(need(TINY["llama"])), dtype=torch.float32, device="cpu", max_running_req=4,
+        num_page_override=64, max_seq_len_override=128, page_size=PAGE_SIZE,
+        max_prefill_length=24, cuda_graph_max_bs=4,
+    )  # fmt: skip
+    yield llm
+    llm.shutdown()
+
+
+def run(llm: LLM, observer: Observer, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+    """Feed the prompts as the worker loop does; returns every snapshot taken."""
+    s, uid = llm.scheduler, 1000 + observer.seq * 100
+    msgs = [
+        UserMsg(uid + i, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        for i, ids in enumerate(prompts)
+    ]
+    observer.receive(msgs)
+    s.receive(msgs)
+    snapshots = []
+    while s.has_work:
+        observer.next_at = 0.0  # a snapshot after every step
+        if (snap := observer.publish(s.step())) is not None:
+            snapshots.append(decode(encode(snap)))  # as it crosses the socket
+            s.check_integrity()
+    return snapshots
+
+
+def test_nothing_is_recorded_without_a_lease(llm):
+    observer = Observer(llm.scheduler)
+    assert not run(llm, observer, [[5, 6, 7, 8, 9]], 3)
+    assert llm.scheduler.steps.begin() is None and not llm.scheduler.steps.ring
+    observer.receive([WatchMsg(0.05)])
+    time.sleep(0.1)  # the lease runs out: the next publish turns the record off
+    assert observer.publish([]) is None and not llm.scheduler.steps.on
+
+
+def test_snapshot_is_the_schedulers_state(llm):
+    s = llm.scheduler
+    observer = Observer(s)
+    observer.receive([WatchMsg(30.0)])
+    shared = list(range(10, 42))  # 32 tokens: 8 pages every prompt shares
+    prompts = [shared + [100 + i, 101 + i, 102 + i] for i in range(3)] + [list(range(50, 90))]
+    snapshots = run(llm, observer, prompts, 4)
+    assert snapshots, "no snapshot while watched"
+    for snap in snapshots:
+        pool, cm = snap.pool, s.cache
+        assert pool["free"] + pool["running"] + pool["cached"] + pool["locked"] == cm.num_pages
+        assert len(pool["grid"]) == cm.num_pages and pool["cell_pages"] == 1
+        letters = Counter(pool["grid"].decode())
+        for letter, name in zip("frcl", ("free", "running", "cached", "locked")):
+            assert letters[letter] == pool[name]
+    last = snapshots[-1]
+    assert last.pool["free"] == s.cache.allocator.num_free  # idle: the rest is cached
+    assert last.pool["cached"] * PAGE_SIZE == s.cache.cache.evictable_tokens
+    kinds = Counter(last.steps["kind"])
+    assert kinds["prefill"] >= 2 and kinds["decode"] >= 3, kinds
+    assert any(last.steps["chunks"]), "the 40-token prompt is cut by the 24-token budget"
+    assert sorted(f["prompt_tokens"] for f in last.finished) == sorted(map(len, prompts))
+    assert {f["output_tokens"] for f in last.finished} == {4}
+    # A chunk boundary may cut the shared prompt in two nodes; its last one has three children.
+    ends = prefix_ends(last.tree["nodes"])
+    shared_node = next(n for n in last.tree["nodes"] if ends[n["id"]] == len(shared))
+    assert shared_node["children"] == 3 and shared_node["refs"] == 0
+    assert last.tree["total_tokens"] == s.cache.cache.evictable_tokens
+
+
+def prefix_ends(nodes: list[dict[str, Any]]) -> list[int]:
+    """Where each node's tokens end, counted from the root (nodes come after their parent)."""
+    ends = [0] * len(nodes)
+    for n in nodes[1:]:
+        ends[n["id"]] = ends[n["parent"]] + n["tokens"]
+    return ends
+
+
+# ---- the page, in a browser ---------------------------------------------------------------
+
+
+def browser_paths() -> tuple[str, str]:
+    """Debian's chromium and its driver, or skip saying what is missing."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        pytest.skip("no chromium / chromedriver (Debian: apt-get install chromium chromium-driver)")
+    pytest.importorskip("selenium", reason="selenium is in the dev extra: pip install -e .[dev]")
+    return chromium, driver
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    chromium, driver = browser_paths()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1366,1400"):  # fmt: skip
+        options.add_argument(arg)
+    page = webdriver.Chrome(service=Service(driver), options=options)
+    page.set_script_timeout(10)
+    yield page
+    page.quit()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, browser) -> Iterator[Server]:
+    with running(tmp_path_factory.mktemp("dashboard"), *FLAGS) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def artifacts() -> Path:
+    where = Path(os.environ.get("MINISGL_ARTIFACTS", ROOT / "artifacts")) / "dashboard"
+    where.mkdir(parents=True, exist_ok=True)
+    return where
+
+
+def state(server: Server) -> dict[str, Any]:
+    r = httpx.get(server.base + "/dashboard/state", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def until(check, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := check():
+            return value
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def shown(page: Any, server: Server) -> dict[str, Any]:
+    """The state, once the page shows the same snapshot (the scheduler must be still)."""
+    snap = state(server)
+    until(lambda: page.execute_script("return window.dashboardSeq") == snap["seq"], 10,
+          f"the page to draw snapshot {snap['seq']}")  # fmt: skip
+    return snap
+
+
+# What the page shows, read from its DOM.
+REQUEST_ROWS = """return [...document.querySelectorAll('#requests tbody tr')].map(tr => [
+    +tr.dataset.id, tr.dataset.state,
+    ...['prompt', 'cached', 'output', 'pages'].map(c => tr.querySelector('.' + c).textContent)])"""
+TREE_NODES = """return [...document.querySelectorAll('#tree g.node')].map(g => [
+    +g.dataset.id, +g.dataset.tokens, +g.dataset.refs, +g.dataset.children])"""
+GRAPH_ROWS = """return [...document.querySelectorAll('#graphs tbody tr')].map(tr => [
+    tr.dataset.kind, +tr.dataset.size,
+    +tr.querySelector('.hits').textContent, +tr.querySelector('.steps').textContent])"""
+COUNTERS = {
+    "running": "#c-running",
+    "waiting": "#c-waiting",
+    "preemptions_total": "#c-preemptions",
+    "cached_tokens_total": "#c-cached-tokens",
+}
+
+
+def count(page: Any, css: str) -> int:
+    return page.execute_script(f"return document.querySelectorAll('{css}').length")
+
+
+def page_requests(page: Any) -> list[tuple]:
+    rows = page.execute_script(REQUEST_ROWS)
+    return [(i, st, int(p), c, o.split(" ")[0], pg.split(" ")[0]) for i, st, p, c, o, pg in rows]
+
+
+def state_requests(snap: dict[str, Any]) -> list[tuple]:
+    return [
+        (r["id"], r["state"], r["prompt_tokens"], _blank(r.get("cached_tokens")),
+         str(r["output_tokens"]), str(r.get("pages", "")))
+        for r in snap["running"] + snap["waiting"] + snap["finished"]
+    ]  # fmt: skip
+
+
+def _blank(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def check_page_equals_state(page: Any, snap: dict[str, Any]) -> None:
+    text = lambda css: page.find_element("css selector", css).text  # noqa: E731
+    assert page_requests(page) == state_requests(snap)
+    pool = snap["pool"]
+    for name, letter in (("free", "f"), ("running", "r"), ("cached", "c"), ("locked", "l")):
+        assert int(text(f"#pool-{name}")) == pool[name]
+        assert count(page, f".pg-{letter}") == pool[name]  # a cell a page in a pool this small
+    kinds = Counter(snap["steps"]["kind"][-200:])
+    for kind in ("prefill", "decode", "verify"):
+        assert int(text(f"#kind-{kind}")) == kinds[kind]
+        assert count(page, f"g.step[data-kind={kind}]") == kinds[kind]
+    for key, css in COUNTERS.items():
+        assert int(text(css)) == snap["counters"][key], key
+    drawn = page.execute_script(TREE_NODES)
+    nodes = snap["tree"]["nodes"][1:]
+    assert drawn == [[n["id"], n["tokens"], n["refs"], n["children"]] for n in nodes]
+    graphs = page.execute_script(GRAPH_ROWS)
+    shown_rows = [[k, bs, hits, steps] for k, bs, _, hits, steps in snap["graphs"]]
+    assert graphs == [g for g in shown_rows if g[0] != "prefill" or g[2] > 0]
+
+
+def scheduler_pid(server: Server) -> int:
+    for pid in descendants(server.proc.pid):
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"minisgl::scheduler"):
+            return pid
+    pytest.fail("no minisgl::scheduler process under the server")
+
+
+def chat(server: Server, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    body = {"model": SMOL.name, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def test_page_shows_what_the_scheduler_reports(server, browser, artifacts):
+    page = browser
+    page.get(server.base + "/dashboard")
+    until(lambda: page.execute_script("return window.dashboardSeq"), 30, "the first snapshot")
+    asks = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            for q in QUESTIONS] + [[{"role": "user", "content": LONG}]]  # fmt: skip
+    with ThreadPoolExecutor(len(asks)) as pool:
+        futures = [pool.submit(chat, server, m, 20) for m in asks]
+        until(lambda: (s := state(server))["running"] and s["waiting"]
+              and s["steps"]["kind"].count("decode") >= 2, 120,
+              "requests decoding and waiting at once")  # fmt: skip
+        sched = scheduler_pid(server)
+        os.kill(sched, signal.SIGSTOP)  # the page and the state now hold still
+        try:
+            time.sleep(0.5)  # a snapshot on its way arrives
+            snap = shown(page, server)
+            check_page_equals_state(page, snap)
+            assert {r["state"] for r in snap["running"]} <= {"decoding", "prefilling"}
+            assert {r["state"] for r in snap["waiting"]} <= {"queued", "preempted"}
+            page.save_screenshot(str(artifacts / "mid-run.png"))
+        finally:
+            os.kill(sched, signal.SIGCONT)
+        usages = [f.result() for f in futures]
+    until(lambda: (s := state(server))["counters"]["running"] == 0 and not s["waiting"], 60,
+          "the server to be idle")  # fmt: skip
+    snap = shown(page, server)
+    check_page_equals_state(page, snap)
+    page.save_screenshot(str(artifacts / "idle.png"))
+    done = Counter((f["prompt_tokens"], f["output_tokens"]) for f in snap["finished"][: len(asks)])
+    assert done == Counter((u["prompt_tokens"], u["completion_tokens"]) for u in usages)
+    m = metrics(server)
+    assert snap["counters"]["cached_tokens_total"] == m["minisgl:cached_tokens_total"]
+    assert snap["counters"]["preemptions_total"] == m["minisgl:preemptions_total"]
+    assert any(c > 0 for c in snap["steps"]["chunks"]), "the long prompt came in chunks"
+    # The system prompt is one node under the root, shared by the five chats.
+    tok = Tokenizer(str(SMOL))
+    ids = [tok.encode(tok.apply_chat_template(m), add_special_tokens=False) for m in asks[:-1]]
+    common = min(_common(ids[0], other) for other in ids[1:]) // PAGE_SIZE * PAGE_SIZE
+    ends = prefix_ends(snap["tree"]["nodes"])
+    node = next(n for n in snap["tree"]["nodes"] if ends[n["id"]] == common)
+    assert node["children"] >= 2
+    drawn = page.find_element("css selector", f'#tree g.node[data-id="{node["id"]}"]')
+    start, tokens = (int(drawn.get_attribute(f"data-{k}")) for k in ("start", "tokens"))
+    assert start + tokens == common and tokens == node["tokens"]
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_state_documents_its_fields(server):
+    snap = state(server)
+    assert set(snap) == {"seq", "time", "engine", "counters", "steps", "running", "waiting",
+                         "finished", "pool", "tree", "graphs"}  # fmt: skip
+    assert snap["engine"]["page_size"] == PAGE_SIZE and snap["engine"]["decode_graphs"] == [1, 2, 4]
+    assert "prompt_text" not in str(snap) and not snap["engine"]["text"]  # no --dashboard-text
+    with httpx.stream("GET", server.base + "/dashboard/events", timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = (line for line in r.iter_lines() if line.startswith("data: "))
+        assert '"seq"' in next(lines)
