@@ -1,0 +1,126 @@
+"""What the live page costs the scheduler: decode step time with a page watching and without.
+
+The scheduler runs as its worker loop runs it (scheduler/io.py): each step, its stats, the
+observer's snapshot when one is due, and the whole output encoded with msgpack as for the
+socket; only the socket itself is left out. Each batch size is run in alternating rounds,
+without a watch lease and with one (what an open page holds), so that a drift of the
+machine falls on both; the figure is the median time between two steps where every
+request decodes. Beside it: how long building and encoding one snapshot takes, and what
+the two hooks cost a step when nobody watches (the scheduler calls them anyway).
+
+    python tools/bench_dashboard.py --model /tmp/qwen3-0.6b --batch-sizes 1,64
+    python tools/bench_dashboard.py --model models/SmolLM2-135M-Instruct --batch-sizes 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import statistics
+import time
+import timeit
+
+from common import add_engine_args, engine_kwargs, parse
+
+UIDS = itertools.count()
+
+
+def run_round(observer: object, prompts: list[list[int]], args: argparse.Namespace, watch: bool):
+    """One batch to completion through the worker loop; (step gaps s, snapshot costs s)."""
+    from minisgl.core import SamplingParams
+    from minisgl.message.backend import SchedulerOutput, UserMsg
+    from minisgl.message.codec import encode
+    from minisgl.message.dashboard import WatchMsg
+    from minisgl.scheduler.io import scheduler_stats
+
+    sched = observer.s
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+    msgs = [UserMsg(next(UIDS), ids, params) for ids in prompts]
+    messages = ([WatchMsg(3600.0)] if watch else []) + msgs
+    observer.receive(messages)
+    sched.receive(messages)
+    stamps, snapshots = [], []
+    while sched.has_work:
+        tokens = sched.step()
+        began = time.perf_counter()
+        output = SchedulerOutput(tokens, scheduler_stats(sched))
+        output.dashboard = observer.publish(tokens)
+        encode(output)
+        if output.dashboard is not None:
+            snapshots.append(time.perf_counter() - began)
+        if not sched.prefill.has_work and sched.decode.running:
+            stamps.append(time.perf_counter())
+    if watch:  # the page closes: the lease ends at the next publish
+        observer.receive([WatchMsg(0.0)])
+        observer.publish([])
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # the first steps warm up
+    return gaps, snapshots
+
+
+def hooks_ns(llm: object) -> float:
+    """ns a step for the two step-log calls while nobody watches."""
+    from minisgl.core import Batch
+
+    log, engine = llm.scheduler.steps, llm.engine
+    batch = Batch([], "decode")
+    n = 200_000
+    spent = timeit.timeit(lambda: log.end(batch, log.begin(), engine), number=n)
+    empty = timeit.timeit(lambda: None, number=n)  # the lambda's own call
+    return (spent - empty) / n * 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_engine_args(p)
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of each, alternating")
+    p.add_argument("--seed", type=int, default=0)
+    args = parse(p)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+
+    from minisgl.llm import LLM
+    from minisgl.models.config import ModelConfig
+    from minisgl.scheduler.observe import Observer
+
+    tokens = args.input_len + args.output_len + 8
+    llm = LLM(
+        **engine_kwargs(args),
+        max_running_req=max(sizes),
+        num_page_override=max(sizes) * tokens * 2,  # room for the radix cache to keep some
+        max_seq_len_override=tokens,
+        cuda_graph_bs=sorted(set(sizes)),
+    )
+    observer = Observer(llm.scheduler)
+    vocab, rng = ModelConfig.from_path(args.model).vocab_size, random.Random(args.seed)
+
+    def prompts(n: int) -> list[list[int]]:  # fresh ones: the prefix cache never helps
+        return [[rng.randrange(vocab) for _ in range(args.input_len)] for _ in range(n)]
+
+    import torch
+
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"{name}, {args.model}, {args.dtype}, prompt {args.input_len}, {args.output_len} steps")
+    print(f"the step log's two hooks without a page: {hooks_ns(llm):.0f} ns a step\n")
+    print("| batch | step ms, no page | step ms, page open | cost | snapshots | ms each |")
+    print("|---|---|---|---|---|---|")
+    for bs in sizes:
+        run_round(observer, prompts(bs), args, watch=False)  # warm-up
+        off, on, snaps = [], [], []
+        for _ in range(args.rounds):
+            off += run_round(observer, prompts(bs), args, watch=False)[0]
+            gaps, costs = run_round(observer, prompts(bs), args, watch=True)
+            on += gaps
+            snaps += costs
+        a, b = statistics.median(off) * 1e3, statistics.median(on) * 1e3
+        each = statistics.median(snaps) * 1e3 if snaps else float("nan")
+        print(
+            f"| {bs} | {a:.3f} | {b:.3f} | {100 * (b / a - 1):+.2f}% | {len(snaps)} | {each:.2f} |"
+        )
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
