@@ -16,17 +16,20 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT, SMOL, TINY, need
-from test_server import Server, descendants, metrics, running
+from helpers import ROOT, SMOL, TINY, need, run_tool
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -50,6 +53,7 @@ QUESTIONS = ["Where is Lima?", "What is the capital of Kenya?", "Where is Oslo?"
              "Which river runs through Cairo?", "Where is the Gobi desert?"]  # fmt: skip
 LONG = "Tell me about the history of the Silk Road. " * 12  # over the prefill budget
 FLAGS = [
+    "--device", "cpu", "--dtype", "float32", "--max-seq-len-override", "512",
     "--page-size", str(PAGE_SIZE), "--num-pages", "160", "--max-running-requests", "4",
     "--max-prefill-length", "48", "--cuda-graph-max-bs", "4", "--log-level", "WARNING",
 ]  # fmt: skip
@@ -134,6 +138,14 @@ def prefix_ends(nodes: list[dict[str, Any]]) -> list[int]:
     return ends
 
 
+def test_cost_benchmark_runs_on_the_cpu():
+    args = ["--model", str(need(TINY["llama"])), "--device", "cpu", "--batch-sizes", "1,2"]
+    done = run_tool("bench_dashboard.py", *args, "--input-len", "8", "--output-len", "12",
+                    "--rounds", "1", timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "| 2 |" in done.stdout and "ns a step" in done.stdout, done.stdout
+
+
 # ---- the page, in a browser ---------------------------------------------------------------
 
 
@@ -164,10 +176,50 @@ def browser() -> Iterator[Any]:
     page.quit()
 
 
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    base: str
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, browser) -> Iterator[Server]:
-    with running(tmp_path_factory.mktemp("dashboard"), *FLAGS) as srv:
+    """`python -m minisgl` on SmolLM2 with FLAGS; its log is in the test's temporary folder."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(need(SMOL)), "--port", str(port)]
+    cmd += FLAGS
+    log = tmp_path_factory.mktemp("dashboard") / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    srv = Server(proc, f"http://127.0.0.1:{port}")
+    try:
+        until(lambda: healthy(srv, log), 180, "the server to start")
         yield srv
+    finally:
+        proc.terminate()  # it drains and stops its workers
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def healthy(server: Server, log: Path) -> bool:
+    if server.proc.poll() is not None:
+        pytest.fail(f"the server exited with {server.proc.returncode}:\n{log.read_text()[-3000:]}")
+    try:
+        return httpx.get(server.base + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def metrics(server: Server) -> dict[str, float]:
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    rows = [line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#"]
+    return {name: float(value) for name, value in rows}
 
 
 @pytest.fixture(scope="module")
@@ -260,9 +312,11 @@ def check_page_equals_state(page: Any, snap: dict[str, Any]) -> None:
 
 
 def scheduler_pid(server: Server) -> int:
-    for pid in descendants(server.proc.pid):
-        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"minisgl::scheduler"):
-            return pid
+    """The server's child that names itself minisgl::scheduler (see server/processes.py)."""
+    for children in Path(f"/proc/{server.proc.pid}/task").glob("*/children"):
+        for pid in children.read_text().split():
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"minisgl::scheduler"):
+                return int(pid)
     pytest.fail("no minisgl::scheduler process under the server")
 
 
