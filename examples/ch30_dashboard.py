@@ -51,9 +51,12 @@ class Watcher:
         self.base, self.snapshots, self.stop = base, [], threading.Event()
         self.when: list[tuple[Callable[[dict], bool], Callable[[], None]]] = []
 
+    def state(self) -> dict[str, Any]:
+        return httpx.get(self.base + "/dashboard/state", timeout=30).json()
+
     def poll(self) -> None:
         while not self.stop.wait(0.2):
-            snap = httpx.get(self.base + "/dashboard/state", timeout=30).json()
+            snap = self.state()
             self.snapshots.append(snap)
             for i, (check, then) in enumerate(self.when):
                 if check(snap):
@@ -68,11 +71,13 @@ class Watcher:
         thread.start()
         try:
             work()
-            time.sleep(0.6)  # the last snapshot after the work
         finally:
             self.stop.set()
             thread.join()
-        return self.snapshots
+        done = time.time()
+        while (snap := self.state())["time"] < done:  # the state the work left behind
+            time.sleep(0.1)
+        return self.snapshots + [snap]
 
 
 def chat(base: str, user: str, max_tokens: int, system: str | None = SYSTEM) -> dict[str, Any]:
@@ -163,7 +168,7 @@ def main() -> None:
 def acts(base: str, watch: Watcher, shot: Callable, pace: float) -> None:
     print("\n1. a shared system prompt, one chat first and then three at once")
     snaps = watch.act(
-        lambda: (chat(base, QUESTIONS[0], 8), at_once(base, QUESTIONS[1:], 8)),
+        lambda: (chat(base, QUESTIONS[0], 8), at_once(base, QUESTIONS[1:], 24)),
         lambda s: len(s["running"]) >= 3, shot("shared_prefix"),
     )  # fmt: skip
     last = snaps[-1]

@@ -148,7 +148,7 @@ class Observer:
         if not self.ticks or now - self.ticks[-1][1] >= TICK_EVERY_S:
             self.ticks.append((access_tick(), now))
         self._count(tokens, now)
-        if now < self.next_at:
+        if now < self.next_at and self.s.has_work:  # the state it idles in is always sent
             return None
         snapshot = self.snapshot(now)
         spent = time.monotonic() - now
