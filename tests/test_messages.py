@@ -37,6 +37,7 @@ from minisgl.message.backend import (
     UserMsg,
 )
 from minisgl.message.codec import decode, encode
+from minisgl.message.dashboard import DashboardSnapshot, WatchMsg  # [ch30]
 from minisgl.message.frontend import (
     AcceptedMsg,
     DeltaMsg,
@@ -128,6 +129,22 @@ MESSAGES = [
     TokenizeMsg(11, SamplingParams(), prompt="Hi", echo=True),
     # <<< ch25
     FlushCacheMsg(),  # the API server to the scheduler: no fields at all  # [ch27]
+    # >>> ch30 the live page's lease, and a snapshot: plain containers, the grid as bytes
+    WatchMsg(3.0, text=True),
+    DashboardSnapshot(
+        7,
+        1.5,
+        {"model": "m"},
+        {"running": 1},
+        {"kind": ["decode"], "ms": [None]},
+        [{"id": 3, "state": "decoding"}],
+        [],
+        [],
+        {"free": 2, "grid": b"frcl"},
+        {"nodes": [{"id": 0, "parent": None}]},
+        [["decode", 3, 4, 1, 1]],
+    ),
+    # <<< ch30
 ]
 
 
