@@ -37,6 +37,7 @@ from minisgl.message.backend import UserMsg
 from minisgl.message.codec import decode, encode
 from minisgl.message.dashboard import WatchMsg
 from minisgl.scheduler.observe import Observer
+from minisgl.server.args import parse_args
 from minisgl.tokenizer.tokenizer import Tokenizer
 
 try:
@@ -136,6 +137,28 @@ def prefix_ends(nodes: list[dict[str, Any]]) -> list[int]:
     for n in nodes[1:]:
         ends[n["id"]] = ends[n["parent"]] + n["tokens"]
     return ends
+
+
+def test_text_only_when_asked(llm):
+    tok = Tokenizer(str(TINY["llama"]))
+    observer = Observer(llm.scheduler)
+    observer.receive([WatchMsg(30.0, text=False)])
+    plain = run(llm, observer, [[7, 8, 9, 10, 11, 12]], 3)[-1]
+    assert "_ids" not in str(plain) and "_text" not in str(plain)
+    observer.receive([WatchMsg(30.0, text=True)])
+    prompt = list(range(20, 60))
+    snap = run(llm, observer, [prompt], 3)[-1].with_text(tok.decode)
+    done = snap.finished[0]
+    assert done["prompt_text"] == tok.decode(prompt[-32:]) and "prompt_ids" not in done
+    assert done["output_text"] and "_ids" not in str(snap.tree)
+    assert any("text" in node for node in snap.tree["nodes"][1:])
+
+
+def test_flags():
+    base = ["--model", str(need(SMOL))]
+    assert parse_args(base).dashboard and not parse_args(base).dashboard_text
+    assert not parse_args([*base, "--no-dashboard"]).dashboard
+    assert parse_args([*base, "--dashboard-text"]).dashboard_text
 
 
 def test_cost_benchmark_runs_on_the_cpu():
