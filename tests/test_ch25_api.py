@@ -13,6 +13,7 @@ recorded outputs and on SmolLM2's own answer that opens a `<tool_call>` and writ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -73,13 +75,18 @@ MODEL = SMOL.name
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
+    with serving(tmp_path_factory.mktemp("ch25") / "server.log") as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serving(log: Path) -> Iterator[str]:
     """A live `python -m minisgl` on CPU; its base URL. (test_server.py, chapter 16's, has
     the full kit for servers; this chapter's tree holds only its own tests.)"""
     need(SMOL)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("ch25") / "server.log"
     # The tools' instructions take some 200 tokens of the prompt.
     cmd = [sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu"]
     cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "1024"]
@@ -182,7 +189,13 @@ def test_parsers_on_recorded_outputs(text, expected):
 def test_a_stream_holds_back_what_may_be_a_call():
     out = ToolOutput("text")
     sent = []
-    pieces = ["Sure", ", <tool", '_call>\n{"name": "get_time", ', '"arguments": {"zo', 'ne": "UTC"}}']
+    pieces = [
+        "Sure",
+        ", <tool",
+        '_call>\n{"name": "get_time", ',
+        '"arguments": {"zo',
+        'ne": "UTC"}}',
+    ]
     for piece in pieces + ["\n</tool_call>"]:
         last = piece == "\n</tool_call>"
         body = {"index": 0, "delta": {"content": piece}, "finish_reason": "stop" if last else None}

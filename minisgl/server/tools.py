@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
 from minisgl.server.response_format import ResponseFormat, format_schema
 from minisgl.server.tool_parsers import (
@@ -63,18 +63,20 @@ ToolChoice = Literal["none", "auto", "required"] | NamedChoice
 TOOLS = TypeAdapter(list[Tool])
 
 
+def _json_text(v: str) -> str:
+    try:
+        json.loads(v)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the arguments are not JSON text ({e}): {v[:80]!r}") from None
+    return v
+
+
+JsonText = Annotated[str, AfterValidator(_json_text)]
+
+
 class CalledFunction(BaseModel):
     name: str
-    arguments: str  # JSON text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json(cls, v: str) -> str:
-        try:
-            json.loads(v)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the arguments are not JSON text ({e}): {v[:80]!r}") from None
-        return v
+    arguments: JsonText
 
 
 class AssistantCall(BaseModel):
