@@ -13,6 +13,7 @@ recorded outputs and on SmolLM2's own answer that opens a `<tool_call>` and writ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -73,13 +75,18 @@ MODEL = SMOL.name
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
+    with serving(tmp_path_factory.mktemp("ch25") / "server.log") as base:
+        yield base
+
+
+@contextlib.contextmanager
+def serving(log: Path) -> Iterator[str]:
     """A live `python -m minisgl` on CPU; its base URL. (test_server.py, chapter 16's, has
     the full kit for servers; this chapter's tree holds only its own tests.)"""
     need(SMOL)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = tmp_path_factory.mktemp("ch25") / "server.log"
     # The tools' instructions take some 200 tokens of the prompt.
     cmd = [sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu"]
     cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "1024"]
@@ -180,9 +187,15 @@ def test_parsers_on_recorded_outputs(text, expected):
 
 
 def test_a_stream_holds_back_what_may_be_a_call():
-    out = ToolOutput(forced=False)
+    out = ToolOutput("text")
     sent = []
-    pieces = ["Sure", ", <tool", '_call>\n{"name": "get_time", ', '"arguments": {"zone": "UTC"}}']
+    pieces = [
+        "Sure",
+        ", <tool",
+        '_call>\n{"name": "get_time", ',
+        '"arguments": {"zo',
+        'ne": "UTC"}}',
+    ]
     for piece in pieces + ["\n</tool_call>"]:
         last = piece == "\n</tool_call>"
         body = {"index": 0, "delta": {"content": piece}, "finish_reason": "stop" if last else None}
@@ -190,11 +203,19 @@ def test_a_stream_holds_back_what_may_be_a_call():
         sent.append(body)
     assert "".join(b["delta"]["content"] or "" for b in sent) == "Sure, "
     assert sent[1]["delta"]["content"] == ", "  # "<tool" waits: it may be the tag's start
-    end = sent[-1]
-    assert end["finish_reason"] == "tool_calls"
-    (call,) = end["delta"]["tool_calls"]
-    assert call["index"] == 0 and call["id"].startswith("call_") and call["type"] == "function"
-    assert call["function"] == {"name": "get_time", "arguments": '{"zone": "UTC"}'}
+    assert "tool_calls" not in sent[2]["delta"]  # the name is there, its arguments are not
+    first, rest = sent[3]["delta"]["tool_calls"], sent[4]["delta"]["tool_calls"]
+    assert first == [
+        {
+            "index": 0,
+            "id": first[0]["id"],
+            "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zo'},
+        }
+    ]
+    assert first[0]["id"].startswith("call_")
+    assert rest == [{"index": 0, "function": {"arguments": 'ne": "UTC"}'}}]  # as generated
+    assert sent[-1]["finish_reason"] == "tool_calls"
 
 
 # ---- a live server ------------------------------------------------------------------------
@@ -208,6 +229,7 @@ def test_forced_calls_follow_the_schema(client, choice):
         messages=ASK,
         tools=[TIME, WEATHER] if choice == "named" else [WEATHER],
         tool_choice=NAMED if choice == "named" else "required",
+        parallel_tool_calls=False,  # one call: left free, this small model repeats its call
         n=3,
         seed=7,
         max_tokens=48,
@@ -249,7 +271,12 @@ def test_openai_client_round_trip_whole_and_streamed(client):
 
 def test_a_conversation_with_a_tool_result(client, server):
     first = client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", temperature=0
+        model=MODEL,
+        messages=ASK,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=0,
     )
     call = first.choices[0].message.tool_calls[0]
     messages = [
@@ -320,11 +347,6 @@ def test_auto_gives_text_when_there_is_no_call(client):
 BAD_TOOLS = [
     ("named-not-in-tools", {"tools": [TIME], "tool_choice": NAMED}, "tool_choice"),
     ("choice-without-tools", {"tool_choice": "required"}, "tool_choice"),
-    (
-        "with-response-format",
-        {"tools": [TIME], "response_format": {"type": "json_object"}},
-        "tools",
-    ),
     ("no-name", {"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
     ("functions", {"functions": [TIME["function"]]}, "functions"),
     (

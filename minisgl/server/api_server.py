@@ -27,7 +27,6 @@ from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionR
 from minisgl.server.responses import ResponseShape
 from minisgl.server.responses_api import add_responses_route  # [ch25]
 from minisgl.server.streaming import stream
-from minisgl.server.tools import tool_output  # [ch25]
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -176,10 +175,12 @@ def create_app(
         choices = {
             m.uid: Choice(m.uid, i, started=started, arrived=started) for i, m in enumerate(msgs)
         }
+        if body.stream and any(m.sampling_params.json_schema for m in msgs):  # [ch25]
+            await frontend.started(queue, list(choices))  # [ch25]
         for c in choices.values():  # [ch25]
             c.full.hidden = body.max_tokens == 0  # [ch25]
         shape = ResponseShape(chat, model_name, body.logprobs)
-        shape.tools = tool_output(body.tools, body.tool_choice) if chat else None  # [ch25]
+        shape.tools = body.tool_output() if chat else None  # [ch25]
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream(frontend, queue, choices, shape, prompt_tokens, usage)

@@ -123,6 +123,29 @@ class Frontend:
         self.metrics.prompt_tokens.inc(prompt_tokens)
         return queue, prompt_tokens
 
+    # >>> ch25 a stream's status waits for the scheduler's checks
+    async def started(self, queue: asyncio.Queue, uids: list[int]) -> None:
+        """Wait for every request's first token, or for the refusal of the scheduler's own
+        checks (a grammar it cannot compile), raised: a stream that waits for this before
+        its status answers a refused request with a 400, not with an event after a 200."""
+        seen: set[int] = set()
+        early = []
+        try:
+            while len(seen) < len(uids):
+                reply = await queue.get()
+                if isinstance(reply, APIError):
+                    raise reply
+                if isinstance(reply, RejectedMsg):
+                    raise APIError(reply.status, reply.message, code=reply.code)
+                early.append(reply)
+                seen.add(reply.uid)
+        except (asyncio.CancelledError, APIError):
+            await self.close(uids, abort=True)
+            raise
+        for reply in early + [queue.get_nowait() for _ in range(queue.qsize())]:
+            queue.put_nowait(reply)  # back in their order, ahead of what came after
+
+    # <<< ch25
     async def close(self, uids: list[int], abort: bool) -> None:
         """Stop routing results for these requests; with `abort`, stop computing them too."""
         if abort:

@@ -233,6 +233,7 @@ class ChatCompletionRequest(_Common):
     tool_choice: Any = None
     functions: Any = None  # the deprecated spelling of tools
     function_call: Any = None
+    parallel_tool_calls: bool = True  # [ch25]
 
     @field_validator("tools", "tool_choice", "functions", "function_call")
     @classmethod
@@ -266,9 +267,13 @@ class ChatCompletionRequest(_Common):
 
     # >>> ch25 tools
     def output_schema(self) -> str | None:
-        return calling.call_schema(self.tools, self.tool_choice) or schema_text(
-            self.response_format
-        )
+        fmt = self.response_format
+        return calling.answer_grammar(self.tools, self.tool_choice, self.parallel_tool_calls, fmt)
+
+    def tool_output(self) -> calling.ToolOutput | None:
+        formatted = schema_text(self.response_format) is not None
+        parallel = self.parallel_tool_calls
+        return calling.tool_output(self.tools, self.tool_choice, parallel, formatted)
 
     def template_vars(self) -> dict[str, Any]:
         tools = calling.template_tools(self.tools, self.tool_choice)

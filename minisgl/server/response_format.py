@@ -30,12 +30,17 @@ class ResponseFormat(BaseModel):
         return self
 
 
-def schema_text(fmt: ResponseFormat | None) -> str | None:
-    """The JSON schema the output must satisfy, as text (ASCII: it travels well); None: any."""
-    if fmt is None:
+def format_schema(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """The JSON schema the output must satisfy; None: any text."""
+    if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
-        return '{"type": "object"}'
-    if fmt.type == "json_schema" and fmt.json_schema is not None:
-        return json.dumps(fmt.json_schema.schema_)
-    return None
+        return {"type": "object"}
+    assert fmt.json_schema is not None  # `_schema_given`
+    return fmt.json_schema.schema_
+
+
+def schema_text(fmt: ResponseFormat | None) -> str | None:
+    """The schema as text (ASCII: it travels well); None: any text."""
+    schema = format_schema(fmt)
+    return None if schema is None else json.dumps(schema)

@@ -1,140 +1,269 @@
-"""`POST /v1/responses`, for text: the newer OpenAI API that its official client leads with.
+"""`POST /v1/responses`: the newer OpenAI API that its official client and agent frameworks
+lead with.
 
-A Responses request is a chat in other words: `input` is the user's text or a list of
-messages, `instructions` the system message, `max_output_tokens` the limit. So the route
-turns it into a `ChatCompletionRequest` and runs it as one, and only the answer's shape is
-its own: a `response` object whose `output` holds one assistant message of `output_text`,
-or, streamed, typed events (`response.created`, `response.output_text.delta`, ...,
-`response.completed`), each an SSE `event:` line and its `data:`.
+A Responses request is a chat in other words: `input` is the user's text or a list of items
+(messages, the model's earlier function calls and their results), `instructions` the
+system message, `tools` the functions (flat: `name` and `parameters` beside `type`),
+`text.format` the response format, `max_output_tokens` the limit. So the route turns it
+into a `ChatCompletionRequest` and runs it as one, with chat's grammars and tool parsing;
+only the answer has a shape of its own (`responses_output.py`).
+
+With `store` (the default) the server keeps the latest responses in memory (STORED of them),
+so that a request can go on from one by its `previous_response_id` (that response's input
+and output come before the new input, its instructions do not), and `GET
+/v1/responses/{id}` returns it. A field of the API that the server cannot honour (hosted
+tools, background runs, conversations, reasoning) is a 400 naming it, never dropped.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from minisgl.core import SamplingParams
-from minisgl.message.frontend import DeltaMsg, RejectedMsg, TokenizeMsg
-from minisgl.server.frontend import Choice, Frontend
+from minisgl.message.frontend import TokenizeMsg
+from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import INT64_END, APIError, ChatCompletionRequest, Text
+from minisgl.server.responses_output import Answer, stream, whole
+from minisgl.server.tools import Function, JsonText
+
+STORED = 1024  # responses kept for previous_response_id, the oldest dropped first
 
 
-class InputText(BaseModel):
-    type: Literal["input_text", "output_text", "text"]
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
     text: Text
 
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v not in ("input_text", "output_text", "text"):
+            raise ValueError(f"only text content is supported (input_text, output_text), not {v!r}")
+        return v
 
-class InputMessage(BaseModel):
+
+def text_of(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class MessageItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[InputText]
+    content: Text | list[TextPart]
 
-    def text(self) -> str:
-        parts = self.content
-        return parts if isinstance(parts, str) else "".join(p.text for p in parts)
+
+class FunctionCallItem(BaseModel):
+    """A call the model made, sent back with its result."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: JsonText
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Text | list[TextPart]
+
+
+def _item_type(item: Any) -> str:
+    return item.get("type", "message") if isinstance(item, dict) else item.type
+
+
+Item = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(
+        _item_type,
+        custom_error_type="unsupported_item",
+        custom_error_message="input items are messages, function_call and function_call_output;"
+        " other item types (reasoning, item_reference, ...) are not supported",
+    ),
+]
+
+
+class FunctionTool(Function):
+    type: Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("type") != "function":
+            raise ValueError(f"only function tools are supported, not {v.get('type')!r} tools")
+        if isinstance(v, dict) and v.get("parameters", {}) is None:  # null: no arguments
+            v = {k: x for k, x in v.items() if k != "parameters"}
+        return v
+
+
+class NamedTool(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError('a format of type "json_schema" needs its schema')
+        return self
+
+    def chat(self) -> dict[str, Any] | None:
+        """The format as chat's response_format."""
+        if self.type != "json_schema":
+            return None if self.type == "text" else {"type": self.type}
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema_}}
+
+
+class TextConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    format: TextFormat = TextFormat(type="text")
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+
+# The API's fields that this server cannot honour, with the values that ask for nothing.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "background": (None, False),
+    "conversation": (None,),
+    "prompt": (None,),
+    "reasoning": (None, {}, {"effort": None}, {"effort": None, "summary": None}),
+    "include": (None, []),
+    "truncation": (None, "disabled"),
+    "top_logprobs": (None, 0),
+    "max_tool_calls": (None,),
+}
 
 
 class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    input: Text | list[InputMessage] = Field(min_length=1)
+    input: Text | Annotated[list[Item], Field(min_length=1)]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1, lt=INT64_END)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stream: bool = False
+    tools: list[FunctionTool] = []
+    tool_choice: Literal["none", "auto", "required"] | NamedTool = "auto"
+    parallel_tool_calls: bool = True
+    text: TextConfig = TextConfig()
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
 
-    def as_chat(self) -> ChatCompletionRequest:
-        messages = [] if self.instructions is None else [("system", self.instructions)]
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice(cls, v: Any) -> Any:
+        if isinstance(v, dict) and v.get("type") != "function":
+            allowed = '"none", "auto", "required" or {"type": "function", "name": ...}'
+            raise ValueError(f"only {allowed} is supported, not {v.get('type')!r}")
+        return v
+
+    def refuse_unsupported(self) -> None:
+        for name, fine in UNSUPPORTED.items():
+            value = (self.model_extra or {}).get(name)
+            if value not in fine:
+                message = f"{name} {value!r} is not supported by this server; leave it out"
+                raise APIError(400, message, name)
+        if self.text.verbosity not in (None, "medium"):
+            raise APIError(400, "text.verbosity is not supported by this server", "text.verbosity")
+
+    def items(self) -> list[Item]:
         if isinstance(self.input, str):
-            messages.append(("user", self.input))
-        else:
-            messages += [(m.role, m.text()) for m in self.input]
+            return [MessageItem(role="user", content=self.input)]
+        return list(self.input)
+
+    def as_chat(self, history: list[Item]) -> ChatCompletionRequest:
+        """The chat request this is: instructions, then the stored turns, then the input."""
+        messages: list[dict[str, Any]] = []
+        if self.instructions is not None:
+            messages.append({"role": "system", "content": self.instructions})
+        for item in history + self.items():
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": text_of(item.content)})
+            elif isinstance(item, FunctionCallOutputItem):
+                content = text_of(item.output)
+                messages.append({"role": "tool", "tool_call_id": item.call_id, "content": content})
+            else:  # the model's calls, in the assistant message they belong to
+                if not messages or messages[-1]["role"] != "assistant":
+                    messages.append({"role": "assistant", "content": None})
+                function = {"name": item.name, "arguments": item.arguments}
+                call = {"id": item.call_id, "type": "function", "function": function}
+                messages[-1].setdefault("tool_calls", []).append(call)
         return ChatCompletionRequest(
             model=self.model,
-            messages=[{"role": r, "content": c} for r, c in messages],
+            messages=messages,
             max_tokens=self.max_output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
+            tools=[{"type": "function", "function": t.model_dump()} for t in self.tools] or None,
+            tool_choice=self.chat_tool_choice(),
+            parallel_tool_calls=self.parallel_tool_calls,
+            response_format=self.text.format.chat(),
         )
 
+    def chat_tool_choice(self) -> Any:
+        choice = self.tool_choice
+        if isinstance(choice, NamedTool):
+            return {"type": "function", "function": {"name": choice.name}}
+        return None if choice == "auto" and not self.tools else choice
 
-class Answer:
-    """One response as it grows: its id, its text, and the response object at any time."""
 
-    def __init__(self, body: ResponsesRequest, model: str, uid: int, prompt_tokens: int) -> None:
-        self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
-        self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        now = time.perf_counter()
-        self.choice = Choice(uid, 0, started=now, arrived=now)
-        self.events = 0  # each streamed event's sequence_number
+ITEM: TypeAdapter[Item] = TypeAdapter(Item)
 
-    def part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": "".join(self.choice.text), "annotations": []}
 
-    def item(self, status: str) -> dict[str, Any]:
-        content = [] if status == "in_progress" else [self.part()]
-        return {
-            "type": "message",
-            "id": self.item_id,
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
+class Store:
+    """The latest responses, by id: each with its input and output items, to go on from."""
 
-    def response(self) -> dict[str, Any]:
-        reason = self.choice.finish_reason
-        status = (
-            "in_progress" if reason is None else "incomplete" if reason == "length" else "completed"
-        )
-        done = status != "in_progress"
-        tokens = self.choice.tokens
-        return {
-            "id": self.id,
-            "object": "response",
-            "created_at": self.created,
-            "status": status,
-            "model": self.model,
-            "output": [self.item(status)] if done else [],
-            "incomplete_details": {"reason": "max_output_tokens"}
-            if status == "incomplete"
-            else None,
-            "error": None,
-            "instructions": self.body.instructions,
-            "max_output_tokens": self.body.max_output_tokens,
-            "temperature": self.body.temperature,
-            "top_p": self.body.top_p,
-            "parallel_tool_calls": False,
-            "tool_choice": "none",
-            "tools": [],
-            "text": {"format": {"type": "text"}},
-            "usage": {
-                "input_tokens": self.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
-                "output_tokens": tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": self.prompt_tokens + tokens,
-            }
-            if done
-            else None,
-        }
+    def __init__(self, size: int = STORED) -> None:
+        self.size = size
+        self.responses: OrderedDict[str, tuple[dict[str, Any], list[Item]]] = OrderedDict()
 
-    def event(self, kind: str, **fields: Any) -> str:
-        data = {"type": kind, "sequence_number": self.events, **fields}
-        self.events += 1
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+    def put(self, response: dict[str, Any], items: list[Item]) -> None:
+        self.responses[response["id"]] = (response, items)
+        while len(self.responses) > self.size:
+            self.responses.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[Item]]:
+        if (found := self.responses.get(response_id)) is None:
+            message = f"no stored response has the id {response_id!r} (the server keeps"
+            message += f" the latest {self.size}, in memory, and only those sent with store)"
+            raise APIError(404 if param is None else 400, message, param)
+        return found
 
 
 def add_responses_route(
@@ -143,75 +272,48 @@ def add_responses_route(
     model_name: str,
     sampling: Callable[[ChatCompletionRequest, int | None], list[SamplingParams]],
 ) -> None:
+    store = Store()
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest) -> Response:
+        body.refuse_unsupported()
+        history: list[Item] = []
+        if body.previous_response_id is not None:
+            history = store.get(body.previous_response_id, "previous_response_id")[1]
         try:
-            chat = body.as_chat()
+            chat = body.as_chat(history)
         except ValidationError as e:  # the chat request's own checks, past ours
-            raise APIError(400, str(e.errors()[0]["msg"])) from None
+            raise APIError(400, str(e.errors()[0]["msg"]).removeprefix("Value error, ")) from None
+        params = sampling(chat, chat.max_new_tokens())[0]
         msg = TokenizeMsg(
             next(frontend.uids),
-            sampling(chat, chat.max_new_tokens())[0],
+            params,
             messages=chat.plain_messages(),
+            template_vars=chat.template_vars(),
         )
         queue, prompt_tokens = await frontend.open([msg])
-        answer = Answer(body, model_name, msg.uid, prompt_tokens)
+        if body.stream and params.json_schema is not None:  # a 400 is still possible
+            await frontend.started(queue, [msg.uid])
+        answer = Answer(body, model_name, msg.uid, prompt_tokens, chat.tool_output())
+
+        def keep(response: dict[str, Any]) -> None:
+            if body.store:
+                output = [ITEM.validate_python(item) for item in response["output"]]
+                store.put(response, history + body.items() + output)
+
         if body.stream:
-            events = stream(frontend, queue, answer)
+            events = stream(frontend, queue, answer, keep)
             return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            async for _ in deltas(frontend, queue, answer):
-                pass
-        finally:
-            await close(frontend, answer)
-        return JSONResponse(answer.response())
+        response = await whole(frontend, queue, answer)
+        keep(response)
+        return JSONResponse(response)
 
+    @app.get("/v1/responses/{response_id}")
+    async def stored(response_id: str) -> Response:
+        return JSONResponse(store.get(response_id)[0])
 
-async def deltas(frontend: Frontend, queue: asyncio.Queue, answer: Answer) -> AsyncIterator[str]:
-    """The answer's new text, delta by delta, until it finishes."""
-    while answer.choice.finish_reason is None:
-        delta: DeltaMsg | RejectedMsg | APIError = await queue.get()
-        if isinstance(delta, APIError):  # the server failed or stops
-            frontend.metrics.failed_requests.inc()
-            raise delta
-        if isinstance(delta, RejectedMsg):
-            frontend.metrics.failed_requests.inc()
-            raise APIError(delta.status, delta.message, code=delta.code)
-        frontend.record(answer.choice, delta)
-        answer.choice.text.append(delta.text)
-        yield delta.text
-
-
-async def close(frontend: Frontend, answer: Answer) -> None:
-    unfinished = answer.choice.finish_reason is None
-    await frontend.close([answer.choice.uid], abort=unfinished)
-
-
-async def stream(frontend: Frontend, queue: asyncio.Queue, answer: Answer) -> AsyncIterator[str]:
-    where = {"item_id": answer.item_id, "output_index": 0, "content_index": 0}
-    empty = {"type": "output_text", "text": "", "annotations": []}
-    try:
-        yield answer.event("response.created", response=answer.response())
-        yield answer.event("response.in_progress", response=answer.response())
-        yield answer.event(
-            "response.output_item.added", output_index=0, item=answer.item("in_progress")
-        )
-        yield answer.event("response.content_part.added", **where, part=empty)
-        try:
-            async for text in deltas(frontend, queue, answer):
-                if text:
-                    yield answer.event(
-                        "response.output_text.delta", **where, delta=text, logprobs=[]
-                    )
-        except APIError as e:  # too late for a status: an error event
-            yield answer.event("error", message=e.message, code=e.code, param=e.param)
-            return
-        text = "".join(answer.choice.text)
-        yield answer.event("response.output_text.done", **where, text=text, logprobs=[])
-        yield answer.event("response.content_part.done", **where, part=answer.part())
-        status = answer.response()["status"]
-        yield answer.event("response.output_item.done", output_index=0, item=answer.item(status))
-        final = "response.incomplete" if status == "incomplete" else "response.completed"
-        yield answer.event(final, response=answer.response())
-    finally:  # a client that hangs up cancels this generator: abort what is left
-        await close(frontend, answer)
+    @app.delete("/v1/responses/{response_id}")
+    async def forget(response_id: str) -> Response:
+        store.get(response_id)
+        del store.responses[response_id]
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})

@@ -2,25 +2,38 @@
 
 The tools go to the model's own chat template, which tells the model how to call them
 (the tokenizer worker falls back to the Hermes form for a template that knows no tools).
-The answer is searched for calls by the parsers of `tool_parsers.py`. With `tool_choice`
-"required" or a named function, the model has no choice: its output is held by the
-grammar of chapter 25 to `{"name": ..., "arguments": ...}` for one of the tools, so the
-arguments are valid JSON for that function's schema.
+With `tool_choice` "auto" the model decides, and its answer is searched for calls by the
+parsers of `tool_parsers.py`. With "required" or a named function it has no choice: its
+output is held by the grammar of chapter 25 (`tool_schema.py`) to calls whose arguments
+follow their function's schema. With "auto" and a `response_format`, the grammar lets it
+choose between calls and a document of the format.
 
-A stream sends text as it comes, holding back what may be the start of a call; the calls
-go out when the choice finishes, each whole in one delta, as `tool_calls[i]` with an id, a
-name and the arguments' JSON text, and the choice's finish_reason is "tool_calls".
+A stream sends text as it comes, holding back what may be the start of a call; a call goes
+out as soon as its name is known, as `tool_calls[i]` with an id, the name and the first of
+its arguments, and then its arguments' JSON text in pieces as they are generated. A choice
+that ends with calls has the finish_reason "tool_calls" (or "length", cut short).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter
 
-from minisgl.server.tool_parsers import ToolCall, find_calls, held
+from minisgl.server.response_format import ResponseFormat, format_schema
+from minisgl.server.tool_parsers import (
+    PARSERS,
+    Scan,
+    ToolCall,
+    is_object,
+    json_end,
+    scan_any,
+    scan_call_array,
+)
+from minisgl.server.tool_schema import answer_schema
 
 
 class Function(BaseModel):
@@ -50,18 +63,20 @@ ToolChoice = Literal["none", "auto", "required"] | NamedChoice
 TOOLS = TypeAdapter(list[Tool])
 
 
+def _json_text(v: str) -> str:
+    try:
+        json.loads(v)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"the arguments are not JSON text ({e}): {v[:80]!r}") from None
+    return v
+
+
+JsonText = Annotated[str, AfterValidator(_json_text)]
+
+
 class CalledFunction(BaseModel):
     name: str
-    arguments: str  # JSON text
-
-    @field_validator("arguments")
-    @classmethod
-    def _json(cls, v: str) -> str:
-        try:
-            json.loads(v)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"the arguments are not JSON text ({e}): {v[:80]!r}") from None
-        return v
+    arguments: JsonText
 
 
 class AssistantCall(BaseModel):
@@ -74,11 +89,9 @@ class AssistantCall(BaseModel):
     function: CalledFunction
 
 
-def check_tools(field: str, value: Any, before: dict[str, Any]) -> Any:
+def check_tools(which: str, value: Any, before: dict[str, Any]) -> Any:
     """The `tools` and `tool_choice` fields, typed and checked against each other."""
-    if field == "tools":
-        if value is not None and before.get("response_format") is not None:
-            raise ValueError("tools and response_format cannot be used together")
+    if which == "tools":
         return None if value is None else TOOLS.validate_python(value)
     if value is None:
         return None
@@ -101,23 +114,23 @@ def active(tools: list[Tool] | None, choice: ToolChoice | None) -> bool:
     return bool(tools) and choice != "none"
 
 
-def call_schema(tools: list[Tool] | None, choice: ToolChoice | None) -> str | None:
-    """The JSON schema a forced call must follow ("required" or named); None: not forced."""
-    if not tools or choice is None or choice in ("none", "auto"):
-        return None
-    chosen = [
-        t for t in tools if isinstance(choice, str) or t.function.name == choice.function.name
-    ]
-    forms = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in chosen
-    ]
-    return json.dumps(forms[0] if len(forms) == 1 else {"anyOf": forms})
+def chosen(choice: ToolChoice | None) -> str:
+    """ "none", "auto", "required", or the name of the function to call."""
+    if isinstance(choice, NamedChoice):
+        return choice.function.name
+    return choice or "auto"
+
+
+def answer_grammar(
+    tools: list[Tool] | None,
+    choice: ToolChoice | None,
+    parallel: bool,
+    fmt: ResponseFormat | None,
+) -> str | None:
+    """The JSON schema the answer must follow, as text; None: any text."""
+    functions = [(t.function.name, t.function.parameters) for t in tools or []]
+    schema = answer_schema(functions, chosen(choice), parallel, format_schema(fmt))
+    return None if schema is None else json.dumps(schema)
 
 
 def template_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[dict] | None:
@@ -147,58 +160,126 @@ def add_tool_fields(plain: list[dict[str, Any]], messages: list[Any]) -> None:
             out["tool_call_id"] = m.tool_call_id
 
 
-def tool_output(tools: list[Tool] | None, choice: ToolChoice | None) -> ToolOutput | None:
+def tool_output(
+    tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool, formatted: bool
+) -> ToolOutput | None:
     """What finds a request's calls in its answer; None where it cannot call tools."""
     if not active(tools, choice):
         return None
-    return ToolOutput(forced=call_schema(tools, choice) is not None)
+    if isinstance(choice, NamedChoice):
+        return ToolOutput("named", parallel, choice.function.name)
+    if choice == "required":
+        return ToolOutput("calls", parallel)
+    return ToolOutput("calls_or_json" if formatted else "text", parallel)
+
+
+@dataclass
+class CallDelta:
+    """A piece of a streamed call: the first has its id and name, the rest only arguments."""
+
+    index: int
+    id: str | None
+    name: str | None
+    arguments: str
+
+    def chat(self) -> dict[str, Any]:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
+@dataclass
+class Streamed:
+    """What one streamed choice has sent: its text so far, as content and as calls."""
+
+    text: str = ""
+    content: int = 0  # characters of the text sent as content
+    parser: str | None = None  # the format its calls are in, once one is seen
+    calls: list[int] = field(default_factory=list)  # characters of each call's arguments
+
+
+Form = Literal["text", "named", "calls", "calls_or_json"]
 
 
 class ToolOutput:
-    """One request's tool calls: found in each choice's text, whole or as it streams."""
+    """One request's tool calls: found in each choice's text, whole or as it streams.
 
-    def __init__(self, forced: bool) -> None:
-        self.forced = forced  # the output is one JSON call, and nothing else
-        self.text: dict[int, str] = {}  # a streamed choice's text so far, by index
-        self.sent: dict[int, int] = {}  # and how much of it went out as content
+    The answer's form: "text" (the model's own, read by the parsers), "named" (the
+    arguments of that function, alone), "calls" (a JSON array of calls), "calls_or_json"
+    (that array or a JSON document of the response format)."""
 
-    def calls(self, text: str) -> tuple[str, list[ToolCall]] | None:
-        if self.forced:
-            try:
-                obj = json.loads(text)
-                return "", [ToolCall(obj["name"], json.dumps(obj["arguments"]))]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                return None  # cut short by max_tokens: the text goes out as it is
-        return find_calls(text)
+    def __init__(self, form: Form, parallel: bool = True, name: str | None = None) -> None:
+        self.form, self.parallel, self.name = form, parallel, name
+        self.streams: dict[int, Streamed] = {}  # by choice index
+
+    def scan(self, text: str, final: bool, sent: Streamed) -> Scan:
+        if self.form == "named":
+            start = len(text) - len(text.lstrip())
+            end = json_end(text, start) if text[start : start + 1] == "{" else None
+            return 0, [ToolCall(self.name or "", text[start : end or len(text)], end is not None)]
+        if self.form != "text":
+            return scan_call_array(text, final)
+        if sent.parser is None:
+            sent.parser, found = scan_any(text, final)
+            return found
+        return PARSERS[sent.parser].scan(text, final)
+
+    def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
+        """A whole answer's content (the text before the calls) and calls; None: no call."""
+        end, calls = self.scan(text, True, Streamed())
+        calls = calls if self.parallel else calls[:1]
+        if not calls or not all(is_object(c.arguments) for c in calls if c.done):
+            return None
+        return text[:end], calls
+
+    def stream(self, index: int, text: str, finished: bool) -> tuple[str, list[CallDelta]]:
+        """A choice's next piece of text, as content to send and pieces of calls."""
+        sent = self.streams.setdefault(index, Streamed())
+        sent.text += text
+        end, calls = self.scan(sent.text, finished, sent)
+        content = sent.text[sent.content : end]
+        sent.content = max(sent.content, end)
+        pieces = []
+        for i, call in enumerate(calls if self.parallel else calls[:1]):
+            if i == len(sent.calls):
+                sent.calls.append(0)
+                pieces.append(CallDelta(i, new_call_id(), call.name, call.arguments))
+            elif len(call.arguments) > sent.calls[i]:
+                pieces.append(CallDelta(i, None, None, call.arguments[sent.calls[i] :]))
+            sent.calls[i] = max(sent.calls[i], len(call.arguments))
+        return content, pieces
+
+    def called(self, index: int) -> bool:
+        """Whether the streamed choice has sent a call."""
+        return bool(self.streams.get(index, Streamed()).calls)
 
     def whole(self, body: dict[str, Any]) -> None:
         """A whole chat choice: its message gets the calls found in its content."""
         message = body["message"]
-        if (found := self.calls(message["content"])) is None:
+        if (found := self.split(message["content"])) is None:
             return
         content, calls = found
         message["content"] = content.strip() or None
-        message["tool_calls"] = [_openai(c) for c in calls]
-        body["finish_reason"] = "tool_calls"
+        message["tool_calls"] = [openai_call(new_call_id(), c) for c in calls]
+        if body["finish_reason"] == "stop":
+            body["finish_reason"] = "tool_calls"
 
     def delta(self, index: int, body: dict[str, Any]) -> None:
-        """A streamed chat delta: text that cannot be a call goes out; at the end, the calls."""
-        delta = body["delta"]
-        text = self.text[index] = self.text.get(index, "") + delta.get("content", "")
-        sent = self.sent.get(index, 0)
-        if body["finish_reason"] is None:
-            end = max(sent, 0 if self.forced else held(text))
-            delta["content"], self.sent[index] = text[sent:end], end
-            return
-        if (found := self.calls(text)) is None:
-            delta["content"] = text[sent:]
-            return
-        content = found[0][sent:]
-        delta["content"] = content or None
-        delta["tool_calls"] = [{"index": i, **_openai(c)} for i, c in enumerate(found[1])]
-        body["finish_reason"] = "tool_calls"
+        """A streamed chat delta: text that cannot be a call, and the pieces of calls."""
+        delta, finished = body["delta"], body["finish_reason"] is not None
+        content, calls = self.stream(index, delta.get("content", ""), finished)
+        delta["content"] = content or (None if calls else "")
+        if calls:
+            delta["tool_calls"] = [c.chat() for c in calls]
+        if body["finish_reason"] == "stop" and self.called(index):
+            body["finish_reason"] = "tool_calls"
 
 
-def _openai(call: ToolCall) -> dict[str, Any]:
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def openai_call(call_id: str, call: ToolCall) -> dict[str, Any]:
     function = {"name": call.name, "arguments": call.arguments}
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": function}
+    return {"id": call_id, "type": "function", "function": function}
