@@ -50,9 +50,9 @@ def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.Monk
 
     calls: list[tuple[int, bool, bool]] = []  # (out rows, gated, normed) of each GEMV call
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, pdl=False):
         calls.append((weight.size(0), gated, norm is not None))
-        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
+        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl)
 
     def one_row(x):
         return counted if x.dim() == 2 and x.size(0) == 1 and x.stride(1) == 1 else None
