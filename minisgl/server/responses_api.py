@@ -129,7 +129,7 @@ class TextFormat(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
-    name: str = "response"
+    name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
@@ -144,7 +144,8 @@ class TextFormat(BaseModel):
         """The format as chat's response_format."""
         if self.type != "json_schema":
             return None if self.type == "text" else {"type": self.type}
-        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema_}}
+        named = {"name": self.name or "response", "schema": self.schema_}
+        return {"type": "json_schema", "json_schema": named}
 
 
 class TextConfig(BaseModel):
@@ -159,7 +160,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "background": (None, False),
     "conversation": (None,),
     "prompt": (None,),
-    "reasoning": (None, {}, {"effort": None}, {"effort": None, "summary": None}),
+    "reasoning": (None,),  # or fields that are all null
     "include": (None, []),
     "truncation": (None, "disabled"),
     "top_logprobs": (None, 0),
@@ -196,6 +197,8 @@ class ResponsesRequest(BaseModel):
     def refuse_unsupported(self) -> None:
         for name, fine in UNSUPPORTED.items():
             value = (self.model_extra or {}).get(name)
+            if isinstance(value, dict) and all(v is None for v in value.values()):
+                continue
             if value not in fine:
                 message = f"{name} {value!r} is not supported by this server; leave it out"
                 raise APIError(400, message, name)
@@ -292,9 +295,9 @@ def add_responses_route(
             template_vars=chat.template_vars(),
         )
         queue, prompt_tokens = await frontend.open([msg])
+        answer = Answer(body, model_name, msg.uid, prompt_tokens, chat.tool_output())
         if body.stream and params.json_schema is not None:  # a 400 is still possible
             await frontend.started(queue, [msg.uid])
-        answer = Answer(body, model_name, msg.uid, prompt_tokens, chat.tool_output())
 
         def keep(response: dict[str, Any]) -> None:
             if body.store:
