@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from minisgl.message.frontend import DeltaMsg, RejectedMsg
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.protocol import APIError
-from minisgl.server.tools import CallDelta, ToolOutput
+from minisgl.server.tools import CallDelta, ToolOutput, new_call_id
 
 if TYPE_CHECKING:
     from minisgl.server.responses_api import ResponsesRequest
@@ -116,7 +116,7 @@ class Answer:
         if content.strip() or not calls:
             self.items.append(self.message(content))
         for call in calls:
-            self.items.append(self.call(_id("call"), call.name, call.arguments))
+            self.items.append(self.call(new_call_id(), call.name, call.arguments))
         for item in self.items:
             item["status"] = self.status
 
