@@ -359,6 +359,7 @@ def test_responses_text_format(client):
 
 
 UNSUPPORTED = [
+    ("empty-input", {"input": ""}, "input"),
     ("hosted-tool", {"tools": [{"type": "web_search"}]}, "tools.0"),
     ("background", {"background": True}, "background"),
     ("reasoning", {"reasoning": {"effort": "high"}}, "reasoning"),

@@ -172,7 +172,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str
-    input: Text | Annotated[list[Item], Field(min_length=1)]
+    input: Annotated[Text, Field(min_length=1)] | Annotated[list[Item], Field(min_length=1)]
     instructions: Text | None = None
     max_output_tokens: int | None = Field(None, ge=1, lt=INT64_END)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
