@@ -8,9 +8,9 @@ A reader trusts a chapter only while what it states stays true as the code moves
   list` prints.
 - A block right after a line `<!-- example output -->` is what the chapter's main printed
   in this run, line for line. A line `...` stands for any lines. Lines that differ from
-  run to run (times, process ids, ports) are named in the marker,
+  run to run (times, process ids, ports) are named by a part of them in the marker,
   `<!-- example output; vary: "wall time", "pid" -->`, and compared by shape only: each
-  number (or long hex string) stands for any other, and runs of spaces for any spaces.
+  number (or other word holding a digit) stands for any other, runs of spaces for any.
 - DOCS/README.md links every chapter's text.
 - No file of the tree's package or example names a later chapter: neither "chapter 26" in
   chapter 12's tree, nor a field or function that no chapter up to it defines but a later
@@ -32,7 +32,7 @@ COUNT_ITEMS = {  # what a number after "the tree has N files:" counts
     "modified": re.compile(r"(\d+) (?:modified|changed)"),
 }
 MARKER = re.compile(r"<!-- example output(.*?)-->")
-NUMBER = re.compile(r"[0-9a-f]*[0-9][0-9a-f]{7,}|\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+VARIES = re.compile(r"[\w.]*\d[\w.]*(?:[+-]\d[\w.]*)?")  # a number (1e-05 too), a pid, a port, a hex id, a temporary name
 MENTION = re.compile(r"\b(?:[Cc]hapters?\s+|ch)(\d+)\b((?:(?:,\s*|\s+and\s+|\s+or\s+)\d+\b)*)")
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Names that later chapters' code shares with a library an earlier chapter calls (FlashInfer's
@@ -109,8 +109,15 @@ def quotes(text: str) -> list[Quote]:
     return out
 
 
-def shape(line: str) -> str:
-    return " ".join(NUMBER.sub("#", line).split())
+def shape(line: str) -> re.Pattern[str]:
+    """A quoted line as a pattern: each run of letters, digits and dots holding a digit stands
+    for any such run, and each run of spaces for any spaces."""
+    parts, at = [], 0
+    for m in VARIES.finditer(line.strip()):
+        parts += [re.escape(line.strip()[at : m.start()]), r"[\w.+-]+"]
+        at = m.end()
+    parts.append(re.escape(line.strip()[at:]))
+    return re.compile(r"\s*" + re.sub(r"(\\ )+", r"\\s+", "".join(parts)) + r"\s*")
 
 
 def quote_problems(doc: str, quoted: list[Quote], output: str) -> list[str]:
@@ -131,7 +138,7 @@ def quote_problems(doc: str, quoted: list[Quote], output: str) -> list[str]:
 def _first_difference(q: Quote, printed: list[str]) -> str:
     def same(doc_line: str, out_line: str) -> bool:
         if any(v in doc_line for v in q.vary):
-            return shape(doc_line) == shape(out_line)
+            return shape(doc_line).fullmatch(out_line) is not None
         return doc_line.rstrip() == out_line
 
     at, skipping = 0, False  # the next printed line to match; whether `...` came before

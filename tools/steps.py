@@ -21,6 +21,8 @@ Manifest (TOML; every path is relative to ROOT; every file is listed exactly onc
     files = ["minisgl/__init__.py", "minisgl/models/config.py"]  # introduced here, kept later
     tests = ["tests/test_config.py"]             # run with pytest, in this chapter's tree only
 
+    docs = "docs"  # optional: each chapter's text is DOCS/<main's file name>.md, checked too
+
 Every .py file under minisgl/ must be listed by some chapter. Package __init__.py files are
 pulled into a tree with their folder; list each in the chapter that first needs the package.
 
@@ -35,6 +37,10 @@ A marker must name a chapter of the manifest that comes after the one introducin
 
 A file imported (statically, anywhere in the module, TYPE_CHECKING blocks included) by a tree
 but introduced by a later chapter is copied in anyway and counted as "introduced early".
+
+`check` also fails a chapter whose tree names a later chapter ("chapter 26", or a name only a
+later chapter defines), and, with `docs`, one whose text states what its tree and example
+do not bear out (chapter_texts.py says what is checked and how to mark a quoted output).
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ import time
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import chapter_texts as texts
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -194,6 +202,7 @@ class Manifest:
     root: Path
     always: list[str]
     chapters: list[Chapter]
+    docs: str | None = None  # the folder of the chapter texts, when they are checked
     owner: dict[str, Chapter] = field(default_factory=dict)  # file -> chapter listing it
 
     @staticmethod
@@ -203,7 +212,7 @@ class Manifest:
             chapters = [Chapter(**c) for c in data.get("chapter", [])]
         except TypeError as e:  # a missing or unknown key in a [[chapter]] table
             raise StepsError([f"{path}: {e}"]) from e
-        m = Manifest(root, list(data.get("always", [])), chapters)
+        m = Manifest(root, list(data.get("always", [])), chapters, data.get("docs"))
         for ch in chapters:
             for f in [*ch.files, ch.main, *ch.tests]:
                 m.owner.setdefault(f, ch)
@@ -337,7 +346,8 @@ class Run:
     ok: bool
     why: str
     seconds: float
-    output: str
+    output: str  # stdout, then stderr
+    stdout: str
 
 
 def run(cmd: list[str], tree_dir: Path, timeout: float, what: str) -> Run:
@@ -348,18 +358,20 @@ def run(cmd: list[str], tree_dir: Path, timeout: float, what: str) -> Run:
     env.setdefault("OMP_NUM_THREADS", "1")
     start = time.monotonic()
     # A session of its own, so a timeout also ends the processes the main started.
-    out = subprocess.PIPE
-    with subprocess.Popen(cmd, cwd=tree_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+    # stdout apart from stderr: a text quotes what a main prints, not a library's warnings.
+    pipe = subprocess.PIPE
+    with subprocess.Popen(cmd, cwd=tree_dir, env=env, stdout=pipe, stderr=pipe,
                           start_new_session=True) as p:  # fmt: skip
         try:
-            out, _ = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=timeout)
             why = f"{what} exited {p.returncode}"
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
+            out, err = p.communicate()
             why = f"{what} timed out after {timeout:g}s"
-    text = out.decode(errors="replace")
-    return Run(p.returncode == 0, "" if p.returncode == 0 else why, time.monotonic() - start, text)
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    ok, seconds = p.returncode == 0, time.monotonic() - start
+    return Run(ok, "" if ok else why, seconds, stdout + stderr, stdout)
 
 
 def isolated(tree_dir: Path) -> str:
@@ -377,14 +389,52 @@ def isolated(tree_dir: Path) -> str:
     return f"minisgl would be imported from outside the tree: {outside[0]}" if outside else ""
 
 
+def first_definitions(m: Manifest, trees: list[Tree]) -> dict[str, tuple[int, str]]:
+    """Each name the package binds -> (number, id) of the first chapter whose tree binds it."""
+    first: dict[str, tuple[int, str]] = {}
+    for ch, tree in zip(m.chapters, trees):
+        for f, text in tree.files.items():
+            if f.startswith("minisgl/") and f.endswith(".py") and not tree.problems:
+                for name in texts.definitions(text):
+                    first.setdefault(name, (ch.num, ch.id))
+    return first
+
+
+def doc_of(m: Manifest, ch: Chapter) -> str:
+    return f"{m.docs}/{Path(ch.main).stem}.md"
+
+
+def doc_problems(m: Manifest, i: int, trees: list[Tree]) -> tuple[list[str], list[texts.Quote]]:
+    """What the chapter's text states about its tree that is not so; its quoted outputs."""
+    ch, tree = m.chapters[i], trees[i]
+    doc = doc_of(m, ch)
+    if not (m.root / doc).is_file():
+        return [f"{doc}: the chapter's text is missing"], []
+    text = read(m.root / doc)
+    new, modified = diff(tree, trees[i - 1] if i else None)
+    in_package = sum(f.startswith("minisgl/") for f in new)
+    counts = texts.Counts(len(tree.files), len(new), len(modified), in_package)
+    problems = texts.count_problems(doc, text, counts)
+    readme = m.root / m.docs / "README.md"  # type: ignore[operator]
+    links = texts.readme_problems(read(readme) if readme.is_file() else "", f"{m.docs}/README.md",
+                                  [Path(doc).name])  # fmt: skip
+    problems += list(links.values())
+    quoted = texts.quotes(text)
+    if not quoted:
+        problems.append(
+            f"{doc}: marks no quote of the example's output ('<!-- example output -->')"
+        )
+    return problems, quoted
+
+
 def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float) -> int:
     width = max(len(ch.title) for ch in m.chapters)
     failed: list[str] = []
     early: list[str] = []
-    previous: Tree | None = None
+    trees = [build(m, i) for i in range(len(m.chapters))]
+    first = first_definitions(m, trees)
     for i, ch in enumerate(m.chapters):
-        tree = build(m, i)
-        prev, previous = previous, tree
+        tree, prev = trees[i], trees[i - 1] if i else None
         if only and ch.id not in only:
             continue
         out = Path(tempfile.mkdtemp(prefix=f"minisgl-{ch.id}-"))
@@ -392,6 +442,7 @@ def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float)
         steps: list[str] = []
         fail = f"tree: {tree.problems[0]}" if tree.problems else isolated(out)
         tail = "\n".join(tree.problems)
+        printed = None  # what the main printed, when it ran and passed
         pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ch.tests]
         for what, cmd in [("main", [sys.executable, ch.main]), ("tests", pytest)]:
             if fail or (what == "tests" and not (tests and ch.tests)):
@@ -399,8 +450,20 @@ def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float)
             r = run(cmd, out, timeout, what)
             steps.append(f"{what} {'ok' if r.ok else 'FAILED'} {r.seconds:.1f}s")
             fail, tail = r.why, "\n".join(r.output.rstrip().splitlines()[-30:])
+            if what == "main" and r.ok:
+                printed = r.stdout
         if not tests or not ch.tests:
             steps.append("tests skipped" if not tests else "no tests")
+        facts = [("refs", texts.later_references(tree.files, ch.num, first, ch.main))]
+        if m.docs:
+            problems, quoted = doc_problems(m, i, trees)
+            if printed is not None:
+                problems += texts.quote_problems(doc_of(m, ch), quoted, printed)
+            facts.append(("docs", problems))
+        for what, problems in facts:
+            steps.append(f"{what} {'FAILED' if problems else 'ok'}")
+            if problems and not fail:
+                fail, tail = f"{what}: {problems[0]}", "\n".join(problems)
         verdict = f"FAIL: {fail}" if fail else "PASS"
         print(
             f"{ch.id:<5} {ch.title:<{width}}  {describe(tree, prev)}  {'  '.join(steps)}  {verdict}"
