@@ -20,6 +20,7 @@ A reader trusts a chapter only while what it states stays true as the code moves
 from __future__ import annotations
 
 import ast
+import functools
 import io
 import re
 import tokenize
@@ -32,7 +33,9 @@ COUNT_ITEMS = {  # what a number after "the tree has N files:" counts
     "modified": re.compile(r"(\d+) (?:modified|changed)"),
 }
 MARKER = re.compile(r"<!-- example output(.*?)-->")
-VARIES = re.compile(r"[\w.]*\d[\w.]*(?:[+-]\d[\w.]*)?")  # a number (1e-05 too), a pid, a port, a hex id, a temporary name
+VARIES = re.compile(
+    r"[\w.]*\d[\w.]*(?:[+-]\d[\w.]*)?"
+)  # a number (1e-05 too), a pid, a port, a hex id, a temporary name
 MENTION = re.compile(r"\b(?:[Cc]hapters?\s+|ch)(\d+)\b((?:(?:,\s*|\s+and\s+|\s+or\s+)\d+\b)*)")
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # Names that later chapters' code shares with a library an earlier chapter calls (FlashInfer's
@@ -168,7 +171,8 @@ def readme_problems(readme: str, readme_name: str, doc_names: list[str]) -> dict
 # ---- later chapters' names in an earlier tree ----------------------------------------------
 
 
-def definitions(text: str) -> set[str]:
+@functools.cache  # the same file text comes back in every later tree
+def definitions(text: str) -> frozenset[str]:
     """Every name a module binds: functions, classes, arguments, variables, attributes."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(text)):
@@ -182,7 +186,7 @@ def definitions(text: str) -> set[str]:
             names.add(node.attr)
         elif isinstance(node, ast.alias):
             names.add((node.asname or node.name).split(".")[0])
-    return names
+    return frozenset(names)
 
 
 def _distinctive(name: str) -> bool:
@@ -197,7 +201,8 @@ def _distinctive(name: str) -> bool:
     return "_" in inner or camel
 
 
-def uses(text: str) -> list[tuple[int, str]]:
+@functools.cache
+def uses(text: str) -> tuple[tuple[int, str], ...]:
     """(line, name) of the distinctive names a module reads: in its code, and in its comments
     and docstrings where they are quoted in backticks or are CamelCase."""
     found = []
@@ -213,16 +218,17 @@ def uses(text: str) -> list[tuple[int, str]]:
             quoted = " ".join(re.findall(r"`([^`]*)`", tok.string))
             words = IDENT.findall(quoted) + [w for w in IDENT.findall(tok.string) if w[0].isupper()]
             found += [(tok.start[0], w) for w in words]
-    return [(line, name) for line, name in found if _distinctive(name)]
+    return tuple((line, name) for line, name in found if _distinctive(name))
 
 
-def mentions(text: str) -> list[tuple[int, int]]:
+@functools.cache
+def mentions(text: str) -> tuple[tuple[int, int], ...]:
     """(line, chapter number) of every "chapter N", "chapters N and M" or "chN" in a text."""
     out = []
     for m in MENTION.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         out += [(line, int(n)) for n in [m[1], *re.findall(r"\d+", m[2])]]
-    return out
+    return tuple(out)
 
 
 def later_references(
@@ -236,7 +242,7 @@ def later_references(
             continue
         text = files[path]
         try:
-            ast.parse(text)
+            used = uses(text)
         except SyntaxError:
             continue  # the tree's own check reports it
         for line, n in mentions(text):
@@ -245,7 +251,7 @@ def later_references(
         if not path.startswith("minisgl/"):
             continue
         seen = set()
-        for line, name in uses(text):
+        for line, name in used:
             later = first.get(name)
             if later and later[0] > num and name not in LIBRARY_NAMES and name not in seen:
                 seen.add(name)

@@ -262,8 +262,10 @@ def read(path: Path) -> str:
     return path.read_bytes().decode()  # bytes, so that CRLF and the like survive untouched
 
 
-def imports(path: str, tree: ast.Module) -> set[str]:
+@functools.cache  # most files are the same text in many trees
+def imports(path: str, text: str) -> frozenset[str]:
     """Dotted names of the minisgl modules a file may import; for `from a import b`, b too."""
+    tree = ast.parse(text, path)
     parts = tuple(Path(path).with_suffix("").parts)
     package = parts[:-1]  # a file's package; for __init__.py that is its own folder
     names: set[str] = set()
@@ -277,7 +279,7 @@ def imports(path: str, tree: ast.Module) -> set[str]:
             base += node.module.split(".") if node.module else []
             names.add(".".join(base))
             names.update(".".join([*base, a.name]) for a in node.names)
-    return {n for n in names if n.split(".")[0] == "minisgl"}
+    return frozenset(n for n in names if n.split(".")[0] == "minisgl")
 
 
 @dataclass
@@ -301,13 +303,13 @@ def build(m: Manifest, index: int) -> Tree:
         if f.endswith(".py"):
             try:
                 text = strip(text, ch.num, f)
-                module = ast.parse(text, f)
+                names = imports(f, text)
             except StepsError as e:
                 tree.problems += e.problems
             except SyntaxError as e:
                 tree.problems.append(f"{f}:{e.lineno}: stripped file does not parse: {e.msg}")
             else:
-                for name in imports(f, module):
+                for name in names:
                     stem = name.replace(".", "/")
                     pulled += [stem + ".py", stem + "/__init__.py"]
         tree.files[f] = text
