@@ -80,6 +80,25 @@ def short(text: str, n: int = 12) -> str:
     return repr(text if len(text) <= n else text[: n - 1] + "\u2026")
 
 
+def cpu_scheduler(tok: Any, cache_type: str, num_pages: int, page_size: int = 1) -> Any:
+    """A Scheduler over SmolLM2 in fp32 on the CPU with four rows, as the chapters' examples
+    build it."""
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    config = SchedulerConfig(
+        MODEL,
+        dtype=torch.float32,
+        device="cpu",
+        max_running_req=4,
+        num_page_override=num_pages,
+        page_size=page_size,
+        max_seq_len_override=128,
+        cache_type=cache_type,
+    )
+    return Scheduler(config, tok.eos_token_ids)
+
+
 # ---- chapter 3: the pool and the page table ------------------------------------------------
 
 
@@ -215,22 +234,10 @@ def ch09_lives(out: Path) -> Path:
     the pages it owns, and which request owns each page of the pool."""
     from minisgl.core import SamplingParams
     from minisgl.message.backend import UserMsg
-    from minisgl.scheduler.config import SchedulerConfig
-    from minisgl.scheduler.scheduler import Scheduler
     from minisgl.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL)
-    config = SchedulerConfig(
-        MODEL,
-        dtype=torch.float32,
-        device="cpu",
-        max_running_req=4,
-        num_page_override=9,
-        page_size=4,
-        max_seq_len_override=64,
-        cache_type="naive",
-    )
-    sched = Scheduler(config, tok.eos_token_ids)
+    sched = cpu_scheduler(tok, "naive", num_pages=9, page_size=4)
     prompts = [("The capital of France is", 8), ("def add(a, b):", 9), ("Once upon a time", 8)]
     late = ("1, 2, 3, 4,", 5)  # arrives before step 3
     batches: list = []
@@ -330,25 +337,13 @@ def ch11_tree(out: Path) -> Path:
     and the leaves the wave evicted."""
     from minisgl.core import SamplingParams
     from minisgl.message.backend import UserMsg
-    from minisgl.scheduler.config import SchedulerConfig
-    from minisgl.scheduler.scheduler import Scheduler
     from minisgl.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL)
     waves, params = example_constants(
         "examples/ch11_radix_cache.py", "WAVES", "PARAMS", SamplingParams=SamplingParams
     )
-    config = SchedulerConfig(
-        MODEL,
-        dtype=torch.float32,
-        device="cpu",
-        max_running_req=4,
-        num_page_override=28,
-        max_seq_len_override=128,
-        page_size=4,
-        cache_type="radix",
-    )
-    sched = Scheduler(config, tok.eos_token_ids)
+    sched = cpu_scheduler(tok, "radix", num_pages=28, page_size=4)
     cache = sched.cache.cache
     keep: list = []  # every node seen, so that no id() is reused while we draw
 
@@ -470,8 +465,6 @@ def ch12_timeline(out: Path) -> Path:
     from minisgl.core import SamplingParams
     from minisgl.env import ENV
     from minisgl.message.backend import UserMsg
-    from minisgl.scheduler.config import SchedulerConfig
-    from minisgl.scheduler.scheduler import Scheduler
     from minisgl.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer(MODEL)
@@ -481,16 +474,7 @@ def ch12_timeline(out: Path) -> Path:
 
     def run(overlap: bool) -> list[tuple[str, str, float, float]]:
         ENV.DISABLE_OVERLAP_SCHEDULING.value = not overlap
-        config = SchedulerConfig(
-            MODEL,
-            dtype=torch.float32,
-            device="cpu",
-            max_running_req=4,
-            num_page_override=128,
-            max_seq_len_override=128,
-            cache_type="naive",
-        )
-        sched = Scheduler(config, tok.eos_token_ids)
+        sched = cpu_scheduler(tok, "naive", num_pages=128)
         spans: list[tuple[str, str, float, float]] = []  # (what, batch, start, end)
         names: dict[int, str] = {}  # id of an InFlight -> its batch's name
 
