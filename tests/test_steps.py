@@ -337,6 +337,11 @@ def test_quotes_match_line_for_line_with_varying_lines_by_shape() -> None:
     assert texts.quote_problems("d.md", [quote], "start\ntook 2s, pid 3\nen\n") == [
         "d.md:6: the example printed no line 'end' here"
     ]
+    [loose] = texts.quotes('<!-- example output; vary: "op *" -->\n```\nop mm 5.1\nend\n```\n')
+    assert texts.quote_problems("d.md", [loose], "op index_select\nend\n") == []
+    assert texts.quote_problems("d.md", [loose], "mm\nend\n") == [
+        "d.md:3: quotes 'op mm 5.1'; the example printed 'mm'"
+    ]
     exact = texts.quotes("<!-- example output -->\n```\nstart\n```\n")
     assert texts.quote_problems("d.md", exact, "start\nmore\n") == [
         "d.md:4: the quote ends; the example printed 'more' next"
@@ -357,3 +362,19 @@ def test_this_course_states_its_trees_as_they_are() -> None:
         problems += steps.doc_problems(m, i, trees)[0]
         problems += steps.texts.later_references(trees[i].files, ch.num, first, ch.main)
     assert not problems, "\n".join(problems)
+
+
+def test_counts_are_rewritten_to_the_trees_numbers() -> None:
+    texts = steps.texts
+    counts = texts.Counts(files=76, new=3, modified=7, new_in_package=1)
+    text = "(the tree has 75 files: 2 new in the package, 6 changed)\nand (the tree has 9 files)"
+    fixed = texts.fix_counts(text, counts)
+    assert (
+        fixed
+        == "(the tree has 76 files: 1 new in the package, 7 changed)\nand (the tree has 76 files)"
+    )
+    assert texts.count_problems("d.md", fixed, counts) == []
+    assert texts.count_problems("d.md", "(the tree has 76 files: 4 new, 7 modified)", counts) == [
+        "d.md:1: says 4 new; the tree has 3 (76 files: 3 new (1 in the package), 7 modified; "
+        "`python tools/steps.py counts --write` puts the tree's numbers in)"
+    ]

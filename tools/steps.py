@@ -4,6 +4,7 @@ Usage:
     python tools/steps.py check [--only ch05 ...] [--no-tests] [--keep] [--timeout S]
     python tools/steps.py tree ch05 DIR
     python tools/steps.py list
+    python tools/steps.py counts [--write]
     python tools/steps.py fences
 All take --root DIR (default: the repo holding this file); all but `fences` also take
 --manifest PATH (default: ROOT/tools/chapters.toml). `fences` counts, for every .py file
@@ -402,21 +403,42 @@ def first_definitions(m: Manifest, trees: list[Tree]) -> dict[str, tuple[int, st
     return first
 
 
+def counts_of(trees: list[Tree], i: int) -> texts.Counts:
+    new, modified = diff(trees[i], trees[i - 1] if i else None)
+    in_package = sum(f.startswith("minisgl/") for f in new)
+    return texts.Counts(len(trees[i].files), len(new), len(modified), in_package)
+
+
+def write_counts(m: Manifest, write: bool) -> int:
+    """Say, or with `write` fix, the file counts each chapter's text states wrongly."""
+    trees, wrong = [build(m, i) for i in range(len(m.chapters))], 0
+    for i, ch in enumerate(m.chapters):
+        path = m.root / doc_of(m, ch)
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        problems = texts.count_problems(doc_of(m, ch), text, counts_of(trees, i))
+        if problems and texts.COUNTS.search(text):
+            wrong += 1
+            print(f"{doc_of(m, ch)}: {texts.counts_line(counts_of(trees, i))}")
+            if write:
+                path.write_text(texts.fix_counts(text, counts_of(trees, i)))
+    print(f"{wrong} chapter texts {'rewritten' if write else 'state other counts'}")
+    return 1 if wrong and not write else 0
+
+
 def doc_of(m: Manifest, ch: Chapter) -> str:
     return f"{m.docs}/{Path(ch.main).stem}.md"
 
 
 def doc_problems(m: Manifest, i: int, trees: list[Tree]) -> tuple[list[str], list[texts.Quote]]:
     """What the chapter's text states about its tree that is not so; its quoted outputs."""
-    ch, tree = m.chapters[i], trees[i]
+    ch = m.chapters[i]
     doc = doc_of(m, ch)
     if not (m.root / doc).is_file():
         return [f"{doc}: the chapter's text is missing"], []
     text = read(m.root / doc)
-    new, modified = diff(tree, trees[i - 1] if i else None)
-    in_package = sum(f.startswith("minisgl/") for f in new)
-    counts = texts.Counts(len(tree.files), len(new), len(modified), in_package)
-    problems = texts.count_problems(doc, text, counts)
+    problems = texts.count_problems(doc, text, counts_of(trees, i))
     readme = m.root / m.docs / "README.md"  # type: ignore[operator]
     links = texts.readme_problems(read(readme) if readme.is_file() else "", f"{m.docs}/README.md",
                                   [Path(doc).name])  # fmt: skip
@@ -500,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("chapter")
     t.add_argument("dir", type=Path)
     sub.add_parser("list", parents=[common], help="list the chapters")
+    counts = sub.add_parser("counts", parents=[common], help="the file counts the texts state")
+    counts.add_argument("--write", action="store_true", help="put the trees' numbers in")
     f = sub.add_parser("fences", help="later-chapter lines per file of minisgl/, and in all")
     f.add_argument("--root", type=Path, default=common.get_default("root"))
     args = ap.parse_args(argv)
@@ -519,6 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "check":
         return check(m, args.only, not args.no_tests, args.keep, args.timeout)
+    if args.command == "counts":
+        if not m.docs:
+            print("steps.py: the manifest names no docs folder", file=sys.stderr)
+            return 2
+        return write_counts(m, args.write)
     if args.command == "list":
         width, previous = max(len(ch.title) for ch in m.chapters), None
         for i, ch in enumerate(m.chapters):
