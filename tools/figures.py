@@ -115,8 +115,8 @@ def ch03_pool(out: Path) -> Path:
     owned["A"] += alloc.alloc(1)  # A grows from 6 to 9 tokens: its third page is page 5
     lengths = {"A": 9, "B": 9}
     for row, name in enumerate(owned):
-        table[row, : 4 * len(owned[name])] = page_slots(owned[name], ps)
-    owner = {p: name for name, ps_ in owned.items() for p in ps_}
+        table[row, : ps * len(owned[name])] = page_slots(owned[name], ps)
+    owner = {p: name for name, held in owned.items() for p in held}
     color = {"A": COLORS[0], "B": COLORS[1]}
 
     fig, ax = plt.subplots(figsize=(9.5, 3.4))
@@ -575,7 +575,6 @@ def ch18_padding(out: Path) -> Path:
                 pos=buf.positions[: batch.padded_size].tolist(),
                 loc=buf.out_loc[: batch.padded_size].tolist(),
                 rows=len(logits),
-                buffer_rows=len(buf.logits),
                 top=buf.logits[: batch.padded_size].argmax(-1).tolist(),
             )
         return logits
