@@ -12,7 +12,8 @@ A reader trusts a chapter only while what it states stays true as the code moves
   `<!-- example output; vary: "wall time", "pid" -->`, and compared by shape only: each
   number (or other word holding a digit) stands for any other, runs of spaces for any. A
   part that ends in `*` (`"aten::*"`) names lines whose rest may differ in any way: a
-  quoted line holding the part matches a printed line holding it.
+  quoted line holding the part matches a printed line holding it. The quotes are of runs
+  on a CPU: where a GPU is at hand, `check` does not compare them.
 - DOCS/README.md links every chapter's text.
 - No file of the tree's package or example names a later chapter: neither "chapter 26" in
   chapter 12's tree, nor a field or function that no chapter up to it defines but a later

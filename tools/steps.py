@@ -451,12 +451,23 @@ def doc_problems(m: Manifest, i: int, trees: list[Tree]) -> tuple[list[str], lis
     return problems, quoted
 
 
+def has_gpu() -> bool:
+    """Whether the examples would run on an NVIDIA GPU here (as the Makefile asks it)."""
+    if not shutil.which("nvidia-smi"):
+        return False
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return r.returncode == 0 and "GPU" in r.stdout
+
+
 def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float) -> int:
     width = max(len(ch.title) for ch in m.chapters)
     failed: list[str] = []
     early: list[str] = []
     trees = [build(m, i) for i in range(len(m.chapters))]
     first = first_definitions(m, trees)
+    # The texts quote runs on a CPU; where a GPU is at hand the examples run there and print
+    # what they print on it, so the quotes are not compared.
+    quotes = not has_gpu()
     for i, ch in enumerate(m.chapters):
         tree, prev = trees[i], trees[i - 1] if i else None
         if only and ch.id not in only:
@@ -481,9 +492,9 @@ def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float)
         facts = [("refs", texts.later_references(tree.files, ch.num, first, ch.main))]
         if m.docs:
             problems, quoted = doc_problems(m, i, trees)
-            if printed is not None:
+            if printed is not None and quotes:
                 problems += texts.quote_problems(doc_of(m, ch), quoted, printed)
-            facts.append(("docs", problems))
+            facts.append(("docs" if quotes else "docs (quotes not compared on a GPU)", problems))
         for what, problems in facts:
             steps.append(f"{what} {'FAILED' if problems else 'ok'}")
             if problems and not fail:
