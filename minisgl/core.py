@@ -184,6 +184,15 @@ class Req:
         )
 
 
+# What a forward computes: new prompt tokens (a prefill, or a chunk of one), or one token per
+# request (a decode step).
+Phase = Literal[
+    "prefill",
+    "decode",
+    "verify",  # each request's last token and its drafts  # [ch26]
+]
+
+
 class Batch:
     """The requests of one forward, all in one phase, and the tensors that feed it.
 
@@ -192,7 +201,7 @@ class Batch:
     the padded batch, and only the first `size` rows of the output are real.
     """
 
-    def __init__(self, reqs: list[Req], phase: Literal["prefill", "decode", "verify"]) -> None:
+    def __init__(self, reqs: list[Req], phase: Phase) -> None:
         self.reqs = reqs
         self.phase = phase
         self.padded_reqs = reqs
@@ -224,9 +233,8 @@ class Batch:
 
     @property
     def num_logit_rows(self) -> int:
-        """Rows of the forward's logits that belong to live requests: one per request, or in a
-        verify batch (chapter 26) one per new token."""
-        if self.phase == "verify":  # [ch26]
+        """Rows of the forward's logits that belong to live requests: one per request."""
+        if self.phase == "verify":  # one per new token: each draft is checked  # [ch26]
             return sum(r.extend_len for r in self.reqs)  # [ch26]
         return self.size
 

@@ -1,7 +1,7 @@
 """ENV: the MINISGL_* environment knobs, read once and overridable in code.
 
 A knob is an object rather than a bare constant so that tests and examples can flip it
-(`ENV.DISABLE_OVERLAP_SCHEDULING.value = True`) and every reader sees the change.
+(`ENV.CPU_KV_CACHE_MB.value = 64`) and every reader sees the change.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 STEPS = Path(__file__).resolve().parent.parent / "tools" / "steps.py"
+sys.path.insert(0, str(STEPS.parent))  # steps.py imports chapter_texts.py beside it
 _spec = importlib.util.spec_from_file_location("steps", STEPS)
 steps = importlib.util.module_from_spec(_spec)
 sys.modules["steps"] = steps  # dataclasses look their module up while the class is built
@@ -77,7 +78,7 @@ FILES = {
         except ModuleNotFoundError:
             print("ch01: extra is out of reach")
         else:
-            raise SystemExit("ch01 could import a module of ch02")
+            raise SystemExit("ch01 could import a later module")
     """,
     "examples/ch02.py": """
         from minisgl.core import NAMES, added
@@ -240,3 +241,140 @@ def test_fences_counts_later_chapter_lines(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     # Only files with later-chapter lines get a row; the total covers all 15 lines.
     assert r.stdout.splitlines() == ["   10    13  76.9% minisgl/core.py", "total 10/15 = 66.7%"]
+
+
+# ---- the chapter texts ---------------------------------------------------------------------
+
+DOCS = {
+    "docs/README.md": "[Core](ch01.md), [Extra](ch02.md), [Later](ch10.md)\n",
+    "docs/ch01.md": """
+        # Core
+        New (the tree has 5 files: 5 new, 0 modified):
+
+        <!-- example output -->
+        ```
+        ch01: extra is out of reach
+        ```
+    """,
+    "docs/ch02.md": """
+        The tree has its helper (the tree has 5 files: 1 new in the package, 1 changed).
+
+        <!-- example output; vary: "took" -->
+        ```
+        ch02: extra
+        ```
+    """,
+    "docs/ch10.md": """
+        (the tree has 7 files)
+
+        <!-- example output -->
+        ```
+        ...
+        ch10: extra+later
+        ```
+    """,
+}
+
+
+def docs_repo(root: Path, **changes: str) -> Path:
+    root = make_repo(root, **{**DOCS, **changes})
+    manifest = root / "tools/chapters.toml"
+    manifest.write_text('docs = "docs"\n' + manifest.read_text())
+    return root
+
+
+def test_the_texts_pass_when_they_say_what_is_so(tmp_path: Path) -> None:
+    r = steps_cli(docs_repo(tmp_path / "repo"), "check", "--no-tests")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert all("refs ok  docs ok" in line_of(r.stdout, c) for c in ("ch01", "ch02", "ch10"))
+
+
+def test_a_text_that_is_wrong_fails_its_chapter(tmp_path: Path) -> None:
+    ch01 = DOCS["docs/ch01.md"].replace("5 new, 0 modified", "4 new, 0 modified")
+    ch02 = DOCS["docs/ch02.md"].replace("ch02: extra", "ch02: extras")
+    root = docs_repo(
+        tmp_path / "repo",
+        **{
+            "docs/ch01.md": ch01,
+            "docs/ch02.md": ch02,
+            "docs/README.md": DOCS["docs/README.md"].replace("(ch10.md)", ""),
+        },
+    )
+    r = steps_cli(root, "check", "--no-tests")
+    assert r.returncode == 1
+    assert "FAIL: docs: docs/ch01.md:2: says 4 new; the tree has 5" in line_of(r.stdout, "ch01")
+    assert "docs/ch02.md:5: quotes 'ch02: extras'; the example printed 'ch02: extra'" in r.stdout
+    assert "FAIL: docs: docs/README.md links no (ch10.md)" in line_of(r.stdout, "ch10")
+    (root / "docs/ch10.md").unlink()
+    r = steps_cli(root, "check", "--no-tests", "--only", "ch10")
+    assert "FAIL: docs: docs/ch10.md: the chapter's text is missing" in line_of(r.stdout, "ch10")
+
+
+def test_a_tree_that_names_a_later_chapter_fails(tmp_path: Path) -> None:
+    # ch01's core.py names chapter 10 in a comment and reads `added`, which only ch02 defines.
+    core = CORE.replace("def base():", "def base():  # see chapter 10\n    _ = NAMES.added_late")
+    core += "NAMES.added_late = 1  # [ch02]\n"
+    root = make_repo(tmp_path / "repo", **{"minisgl/core.py": core})
+    r = steps_cli(root, "check", "--no-tests", "--only", "ch01")
+    assert r.returncode == 1
+    ch01 = line_of(r.stdout, "ch01")
+    assert (
+        "refs FAILED" in ch01 and "minisgl/core.py:1: names chapter 10, which comes later" in ch01
+    )
+    assert "minisgl/core.py:2: `added_late` is first defined by ch02" in r.stdout
+
+
+def test_quotes_match_line_for_line_with_varying_lines_by_shape() -> None:
+    texts = steps.texts
+    doc = '<!-- example output; vary: "took" -->\n```\nstart\ntook 1.5s, pid 301\n...\nend\n```\n'
+    [quote] = texts.quotes(doc)
+    assert quote.line == 3 and quote.vary == ("took",)
+    assert texts.quote_problems("d.md", [quote], "start\ntook 12.25s, pid 7\na\nb\nend\n") == []
+    assert texts.quote_problems("d.md", [quote], "start\ntook 1.5s, pid 301\nend\n") == []
+    assert texts.quote_problems("d.md", [quote], "start\ntook 1.5s, uid 301\nend\n") == [
+        "d.md:4: quotes 'took 1.5s, pid 301'; the example printed 'took 1.5s, uid 301'"
+    ]
+    assert texts.quote_problems("d.md", [quote], "start\ntook 2s, pid 3\nen\n") == [
+        "d.md:6: the example printed no line 'end' here"
+    ]
+    [loose] = texts.quotes('<!-- example output; vary: "op *" -->\n```\nop mm 5.1\nend\n```\n')
+    assert texts.quote_problems("d.md", [loose], "op index_select\nend\n") == []
+    assert texts.quote_problems("d.md", [loose], "mm\nend\n") == [
+        "d.md:3: quotes 'op mm 5.1'; the example printed 'mm'"
+    ]
+    exact = texts.quotes("<!-- example output -->\n```\nstart\n```\n")
+    assert texts.quote_problems("d.md", exact, "start\nmore\n") == [
+        "d.md:4: the quote ends; the example printed 'more' next"
+    ]
+    assert texts.quote_problems("d.md", exact, "Start\n") == [
+        "d.md:3: quotes 'start'; the example printed 'Start'"
+    ]
+
+
+def test_this_course_states_its_trees_as_they_are() -> None:
+    """The facts `steps.py check` holds every chapter of this repo to that need no run."""
+    root = STEPS.parent.parent
+    m = steps.Manifest.load(root, root / "tools/chapters.toml")
+    trees = [steps.build(m, i) for i in range(len(m.chapters))]
+    first = steps.first_definitions(m, trees)
+    problems = []
+    for i, ch in enumerate(m.chapters):
+        problems += steps.doc_problems(m, i, trees)[0]
+        problems += steps.texts.later_references(trees[i].files, ch.num, first, ch.main)
+    assert not problems, "\n".join(problems)
+
+
+def test_counts_are_rewritten_to_the_trees_numbers() -> None:
+    texts = steps.texts
+    counts = texts.Counts(files=76, new=3, modified=7, new_in_package=1)
+    text = "(the tree has 75 files: 2 new in the package, 6 changed)\nand (the tree has 9 files)"
+    fixed = texts.fix_counts(text, counts)
+    assert (
+        fixed
+        == "(the tree has 76 files: 1 new in the package, 7 changed)\nand (the tree has 76 files)"
+    )
+    assert texts.count_problems("d.md", fixed, counts) == []
+    assert texts.count_problems("d.md", "(the tree has 76 files: 4 new, 7 modified)", counts) == [
+        "d.md:1: says 4 new; the tree has 3 (76 files: 3 new (1 in the package), 7 modified; "
+        "`python tools/steps.py counts --write` puts the tree's numbers in)"
+    ]

@@ -4,6 +4,7 @@ Usage:
     python tools/steps.py check [--only ch05 ...] [--no-tests] [--keep] [--timeout S]
     python tools/steps.py tree ch05 DIR
     python tools/steps.py list
+    python tools/steps.py counts [--write]
     python tools/steps.py fences
 All take --root DIR (default: the repo holding this file); all but `fences` also take
 --manifest PATH (default: ROOT/tools/chapters.toml). `fences` counts, for every .py file
@@ -21,6 +22,8 @@ Manifest (TOML; every path is relative to ROOT; every file is listed exactly onc
     files = ["minisgl/__init__.py", "minisgl/models/config.py"]  # introduced here, kept later
     tests = ["tests/test_config.py"]             # run with pytest, in this chapter's tree only
 
+    docs = "docs"  # optional: each chapter's text is DOCS/<main's file name>.md, checked too
+
 Every .py file under minisgl/ must be listed by some chapter. Package __init__.py files are
 pulled into a tree with their folder; list each in the chapter that first needs the package.
 
@@ -35,6 +38,10 @@ A marker must name a chapter of the manifest that comes after the one introducin
 
 A file imported (statically, anywhere in the module, TYPE_CHECKING blocks included) by a tree
 but introduced by a later chapter is copied in anyway and counted as "introduced early".
+
+`check` also fails a chapter whose tree names a later chapter ("chapter 26", or a name only a
+later chapter defines), and, with `docs`, one whose text states what its tree and example
+do not bear out (chapter_texts.py says what is checked and how to mark a quoted output).
 """
 
 from __future__ import annotations
@@ -55,6 +62,8 @@ import time
 import tokenize
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import chapter_texts as texts
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -194,6 +203,7 @@ class Manifest:
     root: Path
     always: list[str]
     chapters: list[Chapter]
+    docs: str | None = None  # the folder of the chapter texts, when they are checked
     owner: dict[str, Chapter] = field(default_factory=dict)  # file -> chapter listing it
 
     @staticmethod
@@ -203,7 +213,7 @@ class Manifest:
             chapters = [Chapter(**c) for c in data.get("chapter", [])]
         except TypeError as e:  # a missing or unknown key in a [[chapter]] table
             raise StepsError([f"{path}: {e}"]) from e
-        m = Manifest(root, list(data.get("always", [])), chapters)
+        m = Manifest(root, list(data.get("always", [])), chapters, data.get("docs"))
         for ch in chapters:
             for f in [*ch.files, ch.main, *ch.tests]:
                 m.owner.setdefault(f, ch)
@@ -253,8 +263,10 @@ def read(path: Path) -> str:
     return path.read_bytes().decode()  # bytes, so that CRLF and the like survive untouched
 
 
-def imports(path: str, tree: ast.Module) -> set[str]:
+@functools.cache  # most files are the same text in many trees
+def imports(path: str, text: str) -> frozenset[str]:
     """Dotted names of the minisgl modules a file may import; for `from a import b`, b too."""
+    tree = ast.parse(text, path)
     parts = tuple(Path(path).with_suffix("").parts)
     package = parts[:-1]  # a file's package; for __init__.py that is its own folder
     names: set[str] = set()
@@ -268,7 +280,7 @@ def imports(path: str, tree: ast.Module) -> set[str]:
             base += node.module.split(".") if node.module else []
             names.add(".".join(base))
             names.update(".".join([*base, a.name]) for a in node.names)
-    return {n for n in names if n.split(".")[0] == "minisgl"}
+    return frozenset(n for n in names if n.split(".")[0] == "minisgl")
 
 
 @dataclass
@@ -292,13 +304,13 @@ def build(m: Manifest, index: int) -> Tree:
         if f.endswith(".py"):
             try:
                 text = strip(text, ch.num, f)
-                module = ast.parse(text, f)
+                names = imports(f, text)
             except StepsError as e:
                 tree.problems += e.problems
             except SyntaxError as e:
                 tree.problems.append(f"{f}:{e.lineno}: stripped file does not parse: {e.msg}")
             else:
-                for name in imports(f, module):
+                for name in names:
                     stem = name.replace(".", "/")
                     pulled += [stem + ".py", stem + "/__init__.py"]
         tree.files[f] = text
@@ -337,7 +349,8 @@ class Run:
     ok: bool
     why: str
     seconds: float
-    output: str
+    output: str  # stdout, then stderr
+    stdout: str
 
 
 def run(cmd: list[str], tree_dir: Path, timeout: float, what: str) -> Run:
@@ -348,18 +361,20 @@ def run(cmd: list[str], tree_dir: Path, timeout: float, what: str) -> Run:
     env.setdefault("OMP_NUM_THREADS", "1")
     start = time.monotonic()
     # A session of its own, so a timeout also ends the processes the main started.
-    out = subprocess.PIPE
-    with subprocess.Popen(cmd, cwd=tree_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+    # stdout apart from stderr: a text quotes what a main prints, not a library's warnings.
+    pipe = subprocess.PIPE
+    with subprocess.Popen(cmd, cwd=tree_dir, env=env, stdout=pipe, stderr=pipe,
                           start_new_session=True) as p:  # fmt: skip
         try:
-            out, _ = p.communicate(timeout=timeout)
+            out, err = p.communicate(timeout=timeout)
             why = f"{what} exited {p.returncode}"
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
+            out, err = p.communicate()
             why = f"{what} timed out after {timeout:g}s"
-    text = out.decode(errors="replace")
-    return Run(p.returncode == 0, "" if p.returncode == 0 else why, time.monotonic() - start, text)
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    ok, seconds = p.returncode == 0, time.monotonic() - start
+    return Run(ok, "" if ok else why, seconds, stdout + stderr, stdout)
 
 
 def isolated(tree_dir: Path) -> str:
@@ -377,14 +392,84 @@ def isolated(tree_dir: Path) -> str:
     return f"minisgl would be imported from outside the tree: {outside[0]}" if outside else ""
 
 
+def first_definitions(m: Manifest, trees: list[Tree]) -> dict[str, tuple[int, str]]:
+    """Each name the package binds -> (number, id) of the first chapter whose tree binds it."""
+    first: dict[str, tuple[int, str]] = {}
+    for ch, tree in zip(m.chapters, trees):
+        for f, text in tree.files.items():
+            if f.startswith("minisgl/") and f.endswith(".py") and not tree.problems:
+                for name in texts.definitions(text):
+                    first.setdefault(name, (ch.num, ch.id))
+    return first
+
+
+def counts_of(trees: list[Tree], i: int) -> texts.Counts:
+    new, modified = diff(trees[i], trees[i - 1] if i else None)
+    in_package = sum(f.startswith("minisgl/") for f in new)
+    return texts.Counts(len(trees[i].files), len(new), len(modified), in_package)
+
+
+def write_counts(m: Manifest, write: bool) -> int:
+    """Say, or with `write` fix, the file counts each chapter's text states wrongly."""
+    trees, wrong = [build(m, i) for i in range(len(m.chapters))], 0
+    for i, ch in enumerate(m.chapters):
+        path = m.root / doc_of(m, ch)
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        problems = texts.count_problems(doc_of(m, ch), text, counts_of(trees, i))
+        if problems and texts.COUNTS.search(text):
+            wrong += 1
+            print(f"{doc_of(m, ch)}: {texts.counts_line(counts_of(trees, i))}")
+            if write:
+                path.write_text(texts.fix_counts(text, counts_of(trees, i)))
+    print(f"{wrong} chapter texts {'rewritten' if write else 'state other counts'}")
+    return 1 if wrong and not write else 0
+
+
+def doc_of(m: Manifest, ch: Chapter) -> str:
+    return f"{m.docs}/{Path(ch.main).stem}.md"
+
+
+def doc_problems(m: Manifest, i: int, trees: list[Tree]) -> tuple[list[str], list[texts.Quote]]:
+    """What the chapter's text states about its tree that is not so; its quoted outputs."""
+    ch = m.chapters[i]
+    doc = doc_of(m, ch)
+    if not (m.root / doc).is_file():
+        return [f"{doc}: the chapter's text is missing"], []
+    text = read(m.root / doc)
+    problems = texts.count_problems(doc, text, counts_of(trees, i))
+    readme = m.root / m.docs / "README.md"  # type: ignore[operator]
+    links = texts.readme_problems(read(readme) if readme.is_file() else "", f"{m.docs}/README.md",
+                                  [Path(doc).name])  # fmt: skip
+    problems += list(links.values())
+    quoted = texts.quotes(text)
+    if not quoted:
+        problems.append(
+            f"{doc}: marks no quote of the example's output ('<!-- example output -->')"
+        )
+    return problems, quoted
+
+
+def has_gpu() -> bool:
+    """Whether the examples would run on an NVIDIA GPU here (as the Makefile asks it)."""
+    if not shutil.which("nvidia-smi"):
+        return False
+    r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+    return r.returncode == 0 and "GPU" in r.stdout
+
+
 def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float) -> int:
     width = max(len(ch.title) for ch in m.chapters)
     failed: list[str] = []
     early: list[str] = []
-    previous: Tree | None = None
+    trees = [build(m, i) for i in range(len(m.chapters))]
+    first = first_definitions(m, trees)
+    # The texts quote runs on a CPU; where a GPU is at hand the examples run there and print
+    # what they print on it, so the quotes are not compared.
+    quotes = not has_gpu()
     for i, ch in enumerate(m.chapters):
-        tree = build(m, i)
-        prev, previous = previous, tree
+        tree, prev = trees[i], trees[i - 1] if i else None
         if only and ch.id not in only:
             continue
         out = Path(tempfile.mkdtemp(prefix=f"minisgl-{ch.id}-"))
@@ -392,6 +477,7 @@ def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float)
         steps: list[str] = []
         fail = f"tree: {tree.problems[0]}" if tree.problems else isolated(out)
         tail = "\n".join(tree.problems)
+        printed = None  # what the main printed, when it ran and passed
         pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *ch.tests]
         for what, cmd in [("main", [sys.executable, ch.main]), ("tests", pytest)]:
             if fail or (what == "tests" and not (tests and ch.tests)):
@@ -399,8 +485,20 @@ def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float)
             r = run(cmd, out, timeout, what)
             steps.append(f"{what} {'ok' if r.ok else 'FAILED'} {r.seconds:.1f}s")
             fail, tail = r.why, "\n".join(r.output.rstrip().splitlines()[-30:])
+            if what == "main" and r.ok:
+                printed = r.stdout
         if not tests or not ch.tests:
             steps.append("tests skipped" if not tests else "no tests")
+        facts = [("refs", texts.later_references(tree.files, ch.num, first, ch.main))]
+        if m.docs:
+            problems, quoted = doc_problems(m, i, trees)
+            if printed is not None and quotes:
+                problems += texts.quote_problems(doc_of(m, ch), quoted, printed)
+            facts.append(("docs" if quotes else "docs (quotes not compared on a GPU)", problems))
+        for what, problems in facts:
+            steps.append(f"{what} {'FAILED' if problems else 'ok'}")
+            if problems and not fail:
+                fail, tail = f"{what}: {problems[0]}", "\n".join(problems)
         verdict = f"FAIL: {fail}" if fail else "PASS"
         print(
             f"{ch.id:<5} {ch.title:<{width}}  {describe(tree, prev)}  {'  '.join(steps)}  {verdict}"
@@ -435,6 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("chapter")
     t.add_argument("dir", type=Path)
     sub.add_parser("list", parents=[common], help="list the chapters")
+    counts = sub.add_parser("counts", parents=[common], help="the file counts the texts state")
+    counts.add_argument("--write", action="store_true", help="put the trees' numbers in")
     f = sub.add_parser("fences", help="later-chapter lines per file of minisgl/, and in all")
     f.add_argument("--root", type=Path, default=common.get_default("root"))
     args = ap.parse_args(argv)
@@ -454,6 +554,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "check":
         return check(m, args.only, not args.no_tests, args.keep, args.timeout)
+    if args.command == "counts":
+        if not m.docs:
+            print("steps.py: the manifest names no docs folder", file=sys.stderr)
+            return 2
+        return write_counts(m, args.write)
     if args.command == "list":
         width, previous = max(len(ch.title) for ch in m.chapters), None
         for i, ch in enumerate(m.chapters):

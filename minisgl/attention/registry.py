@@ -12,6 +12,7 @@ has run on; it logs the choice and the figures behind it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -65,33 +66,40 @@ def backend_names() -> list[str]:
     return ["auto", *BACKENDS]
 
 
+# >>> ch28
 def reads_fp8_kv(name: str) -> bool:
     """Whether `--attn name` can run on an FP8 KV cache (auto: it picks one that can)."""
-    return name == "auto" or (name in BACKENDS and BACKENDS[name].reads_fp8_kv)  # [ch28]
+    return name == "auto" or (name in BACKENDS and BACKENDS[name].reads_fp8_kv)
 
 
+# <<< ch28
 def select_backend(
-    name: str, device: torch.device, dtype: torch.dtype, page_size: int, fp8_kv: bool = False
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    page_size: int,
+    fp8_kv: bool = False,  # the cache holds e4m3 keys and values, which not all read  # [ch28]
 ) -> type[BaseAttnBackend]:
-    """The backend class for `name`, or a ValueError that says why it cannot run here.
-    fp8_kv: the KV cache holds e4m3 keys and values (chapter 28), which not all can read."""
+    """The backend class for `name`, or a ValueError that says why it cannot run here."""
+
+    def why_not(cls: type[BaseAttnBackend]) -> str:
+        if fp8_kv and not cls.reads_fp8_kv:  # [ch28]
+            return "it does not read an FP8 KV cache"  # [ch28]
+        return cls.unavailable_reason(device, dtype, page_size)
+
     if name == "auto":
-        return _auto(device, dtype, page_size, fp8_kv)
+        return _auto(device, why_not)
     if name not in BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; choose from {', '.join(backend_names())}"
         )
-    cls = BACKENDS[name]
-    reason = cls.unavailable_reason(device, dtype, page_size)
-    if fp8_kv and not cls.reads_fp8_kv:  # [ch28]
-        reason = "it does not read an FP8 KV cache"  # [ch28]
-    if reason:
+    if reason := why_not(BACKENDS[name]):
         raise ValueError(f"attention backend {name!r} cannot run here: {reason}")
-    return cls
+    return BACKENDS[name]
 
 
 def _auto(
-    device: torch.device, dtype: torch.dtype, page_size: int, fp8_kv: bool = False
+    device: torch.device, why_not: Callable[[type[BaseAttnBackend]], str]
 ) -> type[BaseAttnBackend]:
     measured = _measured(device)
     order = [n for n in measured.order if n in BACKENDS] if measured else []
@@ -101,9 +109,7 @@ def _auto(
         cls = BACKENDS[name]
         if device.type not in cls.auto_devices:
             continue
-        reason = cls.unavailable_reason(device, dtype, page_size)
-        if fp8_kv and not cls.reads_fp8_kv:  # [ch28]
-            reason = "it does not read an FP8 KV cache"  # [ch28]
+        reason = why_not(cls)
         if not reason:
             logger.info("attention backend: %s (auto%s)", name, why)
             return cls

@@ -53,9 +53,11 @@ class TorchAttnBackend(BaseAttnBackend):
     devices = ("cpu", "cuda")
     auto_devices = ("cpu", "cuda")
     reads_fp8_kv = True  # [ch28]
+    # >>> ch18
     # No `cuda_graphs`: its decode reads the longest length on the host, which a CUDA graph
     # cannot replay; on CPU the graph runner's EmulatedGraph does not care, so the hooks
     # below still serve it.
+    # <<< ch18
 
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int

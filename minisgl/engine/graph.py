@@ -8,7 +8,7 @@ refilled before each replay, and a live batch is padded with dummy requests up t
 nearest captured shape.
 
 A `GraphPlan` lists the shapes, grouped by kind: decode batches here, one token per
-request; later chapters add kinds of their own (prefill graphs in chapter 23). The
+request; later chapters add kinds of their own (prefill and verify graphs). The
 `GraphRunner` captures every shape of every kind in one loop, largest first, into one
 memory pool, and replays the shape a live batch pads to.
 

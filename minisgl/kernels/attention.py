@@ -43,7 +43,7 @@ def _attend_block(
         K + slots[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :],
         mask=kv_mask,
         other=0.0,
-    ).to(q.dtype)  # an FP8 cache (chapter 28) is widened here; otherwise no-op
+    ).to(q.dtype)  # a cache in a narrower dtype is widened here; otherwise a no-op
     s = tl.where(visible, _dot(q, tl.trans(k), IEEE) * sm_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     # A row that has seen no key yet (not reachable with today's callers, but cheap to

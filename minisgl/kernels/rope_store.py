@@ -10,8 +10,8 @@ query head to the output, a key head (and the value head beside it) to its KV sl
 
 The rotation is the "neox" one: channel i pairs with channel i + rotary_dim / 2, and the
 angle table holds, for each position, the cosines of the pairs and then their sines. Its
-width is the number of channels that turn: all of a head's, or (partial rotary, chapter 29)
-the first ones, the rest passing through unrotated.
+width is the number of channels that turn: all of a head's, or (partial rotary) the first
+ones, the rest passing through unrotated.
 """
 
 from __future__ import annotations

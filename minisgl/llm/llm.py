@@ -43,12 +43,12 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[dict[str, Any]]:
-        """Complete every prompt; returns [{"text", "token_ids", "finish_reason", ...}] in order.
-
-        With `logprobs` (and `prompt_logprobs`) asked for, a result also has "logprobs": per
-        token, {"logprob", "top": {token id: logprob}} (and "prompt_logprobs": the same for
-        every prompt token, None for the first).
-        """
+        """Complete every prompt; returns [{"text", "token_ids", "finish_reason", ...}] in order."""
+        # >>> ch25
+        # With `logprobs` (and `prompt_logprobs`) asked for, a result also has "logprobs": per
+        # token, {"logprob", "top": {token id: logprob}} (and "prompt_logprobs": the same for
+        # every prompt token, None for the first).
+        # <<< ch25
         params = sampling_params or SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)

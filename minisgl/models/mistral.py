@@ -1,4 +1,5 @@
-"""Mistral: the Llama architecture; its sliding window is the attention backends' (ch29)."""
+"""Mistral: the Llama architecture; a sliding window, where its config has one, is the
+attention backends' to apply."""
 
 from minisgl.models.llama import LlamaForCausalLM
 

@@ -3,14 +3,16 @@
 Each step picks a batch (a prefill if any request waits and fits, else one decode step for
 every running request), launches its forward, and turns the sampled tokens into messages.
 Requests join and leave between any two steps: that is continuous batching.
-
-With overlap scheduling the step launches batch N+1 *before* it reads batch N's tokens,
-so the host's bookkeeping for N (detokenizing, finishing, freeing) runs while the device
-computes N+1. The host state is then one step behind: a request that ends at N may sit
-in batch N+1, whose extra token is dropped, never sent and never freed twice. Overlap is
-on by default only on CUDA: a CPU computes the forward itself, so it has nothing to hide
-host work behind, and each result would only come out a step later.
 """
+
+# >>> ch12 overlap scheduling
+# With overlap scheduling the step launches batch N+1 *before* it reads batch N's tokens,
+# so the host's bookkeeping for N (detokenizing, finishing, freeing) runs while the device
+# computes N+1. The host state is then one step behind: a request that ends at N may sit
+# in batch N+1, whose extra token is dropped, never sent and never freed twice. Overlap is
+# on by default only on CUDA: a CPU computes the forward itself, so it has nothing to hide
+# host work behind, and each result would only come out a step later.
+# <<< ch12
 
 from __future__ import annotations
 

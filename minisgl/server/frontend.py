@@ -2,8 +2,8 @@
 
 Each request is sent to the tokenizer worker; its tokens come back as text deltas on one
 socket that a background task reads and routes to the waiting request by its uid. The
-front end also counts what /metrics reports. It knows nothing of HTTP, so the shell of
-chapter 17 drives the same workers without a web framework.
+front end also counts what /metrics reports. It knows nothing of HTTP, so an interactive
+shell can drive the same workers without a web framework.
 """
 
 from __future__ import annotations

@@ -227,8 +227,8 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
-    # Tool calling comes with chapter 25 (`tools.py`: list[Tool], ToolChoice); until then it
-    # is refused, rather than silently answered without tools.
+    # Refused where the validator below does not take them: a request with tools is never
+    # answered as if it had none.
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None  # the deprecated spelling of tools
