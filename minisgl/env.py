@@ -59,8 +59,6 @@ class _Env:
         # auto: where the start-up measurement saw it beat the matmul library; on, off: always,
         # never (for benchmarks)
         self.GEMV = EnvVar.read("GEMV", "auto", choices=("auto", "on", "off"))
-        # the GEMV reads the next block of weights before it uses the current one
-        self.GEMV_PREFETCH = EnvVar.read("GEMV_PREFETCH", False)
         # decode attention from qkv in one kernel (rotary, KV store, splits and their merge)
         self.FUSED_DECODE = EnvVar.read("FUSED_DECODE", True)
         # programmatic dependent launch of our kernels on Hopper and newer (kernels/pdl.py)

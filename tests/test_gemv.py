@@ -85,16 +85,6 @@ def test_gemv_with_the_norm_equals_add_norm_then_the_projection(
     torch.testing.assert_close(out, want_sum, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 70), (2, 96, 1030)])
-def test_prefetching_gemv_computes_the_same(m: int, n: int, k: int, monkeypatch) -> None:
-    """MINISGL_GEMV_PREFETCH: the next block of W read ahead, plain, gated and normed, in
-    blocks that leave a partial last block of K."""
-    monkeypatch.setattr(ENV.GEMV_PREFETCH, "value", True)
-    test_gemv_equals_linear(m, n, k, torch.float32)
-    test_gated_gemv_equals_gate_up_then_silu_and_mul(m, n, k, torch.float32)
-    test_gemv_with_the_norm_equals_add_norm_then_the_projection(m, n, k, torch.float32, True)
-
-
 def test_gemv_refuses_what_it_cannot_take() -> None:
     w = torch.randn(8, 16, device=DEV)
     with pytest.raises(AssertionError):

@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.env import ENV
 from minisgl.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
@@ -35,7 +34,6 @@ def _gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N].
     # NORM: the input is RMSNorm(x + r) with weight NW; program 0 also writes x + r to R_OUT.
@@ -54,26 +52,12 @@ def _gemv_kernel(
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     pdl_wait(PDL)
-    # PREFETCH: the next block of W is asked for before this one is used, so two blocks are
-    # in flight per program: at one wave of programs, each waits out every load's latency.
-    if PREFETCH:
-        w_next = tl.load(w_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
-        if GATED:
-            u_next = tl.load(up_ptrs, mask=n_mask[:, None] & (rk < K)[None, :], other=0.0)
     for k in range(0, K, BLOCK_K):
         k_mask = rk < K - k
         x_mask = m_mask[:, None] & k_mask[None, :]
-        if PREFETCH:
-            later = n_mask[:, None] & (rk < K - k - BLOCK_K)[None, :]
-            w = w_next
-            w_next = tl.load(w_ptrs + BLOCK_K, mask=later, other=0.0)
-            if GATED:
-                u = u_next
-                u_next = tl.load(up_ptrs + BLOCK_K, mask=later, other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if GATED:
-                u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if GATED:
+            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(X + x_offs, mask=x_mask, other=0.0)
         if NORM:  # x + r, rounded to the model dtype as the unfused add is
             x = x.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
@@ -180,7 +164,6 @@ def gemv(
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm is not None, num_warps=warps, PREFETCH=ENV.GEMV_PREFETCH.value,
-        **pdl_launch(pdl),
+        GATED=gated, NORM=norm is not None, num_warps=warps, **pdl_launch(pdl),
     )  # fmt: skip
     return y
