@@ -14,7 +14,6 @@ import sys
 
 import uvicorn
 
-from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
 from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.dashboard import add_dashboard_routes  # [ch30]
@@ -58,8 +57,12 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
 
 
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:
-    if args.node_rank > 0:  # a machine that hosts ranks only serves nothing  # [ch21]
-        return await wait_for_ranks(tree.procs)  # [ch21]
+    # >>> ch21 a machine that hosts ranks only serves nothing
+    if args.node_rank > 0:
+        from minisgl.scheduler.ranks import wait_for_ranks  # torch: not for the API server
+
+        return await wait_for_ranks(tree.procs)
+    # <<< ch21
     # >>> ch17 the shell instead of the HTTP server
     if args.shell:
         return await run_shell(Frontend(tree.ipc_dir), tree)
