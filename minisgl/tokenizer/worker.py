@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 
 class TokenizerWorker:
-    """Ready once built: it loads the tokenizer while the engine loads (the two processes
-    start together), then waits for the engine's limits, which it checks prompts against."""
+    """Ready once built. The server starts it with the scheduler: it loads the tokenizer while
+    the engine loads, then waits for the engine's limits (None given), which prompts must fit."""
 
-    def __init__(self, model_path: str, ipc_dir: str) -> None:
+    def __init__(self, model_path: str, ipc_dir: str, limits: EngineLimits | None = None) -> None:
         began = time.perf_counter()
         self.tokenizer = Tokenizer(model_path)
         logger.info("start-up: tokenizer loaded in %.2fs", time.perf_counter() - began)
@@ -49,7 +49,7 @@ class TokenizerWorker:
         self.poller.register(self.from_scheduler.socket, zmq.POLLIN)
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self.logprob_texts = LogprobTexts(self.tokenizer)  # [ch25]
-        self.limits = self._wait_for_limits()
+        self.limits = limits or self._wait_for_limits()
 
     def _wait_for_limits(self) -> EngineLimits:
         """The scheduler's ready message, forwarded by the launcher: the first on our pipe."""
