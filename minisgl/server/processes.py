@@ -66,6 +66,7 @@ class ProcessTree:
         self.limits: EngineLimits | None = None  # the scheduler's, from its ready message
 
     def start(self) -> None:
+        """Start the workers, without waiting for them (`wait_ready`)."""
         config = self.args.scheduler
         # >>> ch21 this machine's other ranks first: rank 0 cannot start until all have joined
         if config.tp_size > 1:
@@ -76,8 +77,14 @@ class ProcessTree:
         if self.args.node_rank > 0:
             return  # a machine without rank 0 hosts ranks only: no tokenizer, no API
         # <<< ch21
+        logger.info("start-up: starting the scheduler and tokenizer workers")
         self._spawn("scheduler", SCHEDULER, config, self.ipc_dir)
         self._spawn("tokenizer", TOKENIZER, config.model_path, self.ipc_dir)
+
+    def wait_ready(self) -> None:
+        """Until both workers are ready; raise RuntimeError if one fails or dies first."""
+        if self.args.node_rank > 0:  # [ch21]
+            return  # [ch21]
         info = self._wait_ready("scheduler")
         self.limits = EngineLimits.from_dict(info["limits"])
         self._to_tokenizer.send(ReadyMsg("scheduler", info))  # what it checks prompts against
