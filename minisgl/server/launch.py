@@ -13,7 +13,6 @@ import signal
 import sys
 
 from minisgl.server.args import ServerArgs, parse_args
-from minisgl.server.dashboard import add_dashboard_routes  # [ch30]
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.replicas import serve_replicas  # [ch27]
@@ -28,6 +27,7 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     import uvicorn
 
     from minisgl.server.api_server import create_app
+    from minisgl.server.dashboard import add_dashboard_routes  # [ch30]
     from minisgl.server.supervisor import Supervisor
     from minisgl.server.worker_api import add_worker_routes  # [ch27]
 

@@ -201,7 +201,7 @@ def gpu_sets(args: ServerArgs) -> list[str | None]:
     """Each replica's CUDA_VISIBLE_DEVICES: --tp-size GPUs apiece; None on CPU."""
     assert args.replicas is not None
     n, tp, device = args.replicas.size, args.scheduler.tp_size, args.scheduler.device
-    import torch  # to count the GPUs: the module is imported by every launcher, which has no torch
+    import torch  # to count the GPUs: here, for the launcher that imports us has no torch
 
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return [None] * n
