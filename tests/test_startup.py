@@ -29,6 +29,17 @@ def test_processes_without_tensors_import_no_torch(module: str) -> None:
     assert out.stdout.strip() == "[]", f"importing {module} imported {out.stdout.strip()}"
 
 
+def test_the_command_line_names_a_dtype_that_the_scheduler_resolves() -> None:
+    from minisgl.engine.config import EngineConfig
+    from minisgl.server.args import parse_args
+
+    model = str(need(TINY["llama"]))
+    assert parse_args(["--model", model, "--dtype", "bfloat16"]).scheduler.dtype == "bfloat16"
+    assert parse_args(["--model", model]).scheduler.dtype is None  # auto
+    with pytest.raises(ValueError, match="dtype must be one of bfloat16, float16, float32"):
+        EngineConfig(model, dtype="float64")
+
+
 def test_the_workers_start_together_and_the_phases_are_logged() -> None:
     model = str(need(TINY["llama"]))
     out = run_tool("bench_startup.py", "--model", model, "--", "--device", "cpu", timeout=240)
