@@ -13,8 +13,8 @@ import signal
 import sys
 import threading
 
-from minisgl.core import SamplingParams
 from minisgl.message.frontend import DeltaMsg, TokenizeMsg
+from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.protocol import UNLIMITED, APIError

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.attention import NAMES
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.fa import FlashAttnBackend  # [ch20]
 from minisgl.attention.fi import FlashInferBackend  # [ch19]
@@ -62,8 +63,11 @@ MEASURED: tuple[Measured, ...] = (
 )
 
 
+assert tuple(BACKENDS) == NAMES, "attention/__init__.py names the backends of BACKENDS"
+
+
 def backend_names() -> list[str]:
-    return ["auto", *BACKENDS]
+    return ["auto", *NAMES]
 
 
 # >>> ch28

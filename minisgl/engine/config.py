@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-
-from minisgl.attention.registry import backend_names
+from minisgl.attention import NAMES as ATTENTION_BACKENDS
 from minisgl.quant.config import check_kv_cache_dtype, check_quantization  # [ch28]
 from minisgl.speculative.config import check_speculative  # [ch26]
+
+if TYPE_CHECKING:  # the config is built in the API server's process too, which has no torch
+    import torch
+
+DTYPES = ("bfloat16", "float16", "float32")  # the names a dtype may be given by
 
 
 @dataclass
 class EngineConfig:
     model_path: str
-    dtype: torch.dtype | None = None  # None: fp32 on CPU; on GPU the checkpoint's (else bf16)
+    # A torch dtype or its name; None: fp32 on CPU, on GPU the checkpoint's (else bf16).
+    dtype: torch.dtype | str | None = None
     device: str = "auto"  # "auto" picks CUDA when present
     max_running_req: int = 256
     num_page_override: int | None = None  # KV pages; None sizes the pool from a memory budget
@@ -50,6 +55,8 @@ class EngineConfig:
     # <<< ch26
 
     def __post_init__(self) -> None:
+        if isinstance(self.dtype, str) and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
         if self.max_running_req < 1:
@@ -85,10 +92,10 @@ class EngineConfig:
         # <<< ch21
         check_speculative(self)  # [ch26]
         check_quantization(self.quantization, self.model_path)  # [ch28]
-        if self.attention_backend not in backend_names():
+        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
-                f"choose from {', '.join(backend_names())}"
+                f"choose from auto, {', '.join(ATTENTION_BACKENDS)}"
             )
         kv = check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)  # [ch28]
         self.kv_cache_dtype = kv  # its canonical name  # [ch28]

@@ -98,7 +98,10 @@ class Engine:
         self.free_memory_at_start = (
             torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 0
         )
-        self.dtype = config.dtype or self._default_dtype()
+        dtype = config.dtype  # a name where it came from the command line
+        self.dtype = (
+            getattr(torch, dtype) if isinstance(dtype, str) else dtype or self._default_dtype()
+        )
         self.kv_dtype = self.dtype  # what the KV cache stores
         # >>> ch28 an FP8 KV cache: keys and values in e4m3, twice the tokens in the same bytes
         if config.kv_cache_dtype == "fp8_e4m3":

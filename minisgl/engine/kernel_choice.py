@@ -19,7 +19,8 @@ Each candidate is timed as the decode step will run it: replayed from a CUDA gra
 launch cost), over enough of the model's weights of that shape to overflow the L2 cache
 several times (so they come from memory, as in a step), the median of a few replays. Only
 the compilation of the candidates' kernels costs real time, and the kernels that win are
-the ones the graphs would have compiled anyway.
+the ones the graphs would have compiled anyway. The times are kept on disk for this GPU
+and software (kernel_cache.py): the next start reads them and compiles only the winners.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.core import Batch
+from minisgl.engine.kernel_cache import TimesCache
 from minisgl.env import ENV
 from minisgl.layers import triton_ops
 from minisgl.layers.activation import silu_and_mul
@@ -66,9 +68,14 @@ L2_OVERFLOW = (
 def choose_kernels(engine: Engine, plan: GraphPlan, timer: Timer | None = None) -> None:
     """Measure, choose and log; the choices live on the model's tensors from then on."""
     start = time.perf_counter()
-    table = choose_gemv(engine, timer or time_in_graph)
+    cache = TimesCache.for_device(engine.device) if timer is None else TimesCache()
+    table = choose_gemv(engine, timer or time_in_graph, cache)
     if table is not None:
         logger.info("GEMV or the matmul library, by measurement (us per call):\n%s", table.report)
+        if cache.path is not None:
+            done = cache.hits + cache.changed
+            logger.info("kernel choice: %d of %d from %s", cache.hits, done, cache.path)
+        cache.save()
     # >>> ch22 the fused MoE kernel or the loop over experts, for batches no graph holds
     if engine.device.type == "cuda" or timer is not None:
         from minisgl.layers.fused_moe import choose_moe_path
@@ -79,9 +86,11 @@ def choose_kernels(engine: Engine, plan: GraphPlan, timer: Timer | None = None) 
         logger.info("kernel choice took %.2fs", time.perf_counter() - start)
 
 
-def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
+def choose_gemv(engine: Engine, timer: Timer, cache: TimesCache | None = None) -> GemvTable | None:
     """The GEMV table of the engine's model, hung on its weights; None where the GEMV cannot
-    run here (CPU, fp32, no triton) or is forced on or off (MINISGL_GEMV)."""
+    run here (CPU, fp32, no triton) or is forced on or off (MINISGL_GEMV). Times found in
+    `cache` are not measured again; those measured go into it."""
+    cache = cache or TimesCache()
     probe = torch.empty(1, 1, dtype=engine.dtype, device=engine.device)
     if ENV.GEMV.value != "auto" or triton_ops.gemv_kernel(probe) is None:
         return None
@@ -109,7 +118,8 @@ def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
                     call = dataclasses.replace(call, key=key)
                 what = f"{name} {_describe(key)} rows {m}"
                 runs = fp8.choice_candidates(call, layers, m, engine.dtype)
-                times = {c: timer(f"{what}: {c}", r) / len(layers) for c, (_, r) in runs.items()}
+                shape = f"fp8 block {layers[0].fp8_block} {engine.dtype} {_describe(key)} rows {m}"
+                times = measured(cache, shape, what, runs, len(layers), timer)
                 label = pick(times)
                 table.blocks[key, m] = runs[label][0]
                 if key.normed:  # where the norm is not deferred after all, the same choice
@@ -122,7 +132,8 @@ def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
         for m in rows:
             what = f"{name} {_describe(key)} rows {m}"
             runs = candidates(call, weights, m)
-            times = {c: timer(f"{what}: {c}", run) / len(weights) for c, (_, run) in runs.items()}
+            shape = f"{call.weight.dtype} {_describe(key)} rows {m}"
+            times = measured(cache, shape, what, runs, len(weights), timer)
             label = pick(times)
             table.blocks[key, m] = runs[label][0]
             lines.append(f"  {what}: {_show(times)} -> {label}")
@@ -133,6 +144,23 @@ def choose_gemv(engine: Engine, timer: Timer) -> GemvTable | None:
             call.norm_weight.gemv_feeds = call.key  # type: ignore[attr-defined]
     table.report = "\n".join(lines)
     return table
+
+
+def measured(
+    cache: TimesCache,
+    shape: str,
+    what: str,
+    runs: dict[str, tuple[Blocks | None, Callable[[], object]]],
+    count: int,
+    timer: Timer,
+) -> dict[str, float]:
+    """Seconds per call of each candidate in `runs` (each runs `count` calls): the cached
+    times of `shape`, or timed now and cached."""
+    times = cache.get(shape, runs)
+    if times is None:
+        times = {c: timer(f"{what}: {c}", run) / count for c, (_, run) in runs.items()}
+        cache.put(shape, times)
+    return times
 
 
 def pick(times: dict[str, float]) -> str:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from minisgl.core import SamplingParams
 from minisgl.message.dashboard import DashboardSnapshot, WatchMsg  # noqa: F401  # [ch30]
 from minisgl.message.logprobs import PromptLogprobs  # [ch25]
+from minisgl.sampling_params import SamplingParams
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.core import SamplingParams
 from minisgl.message.logprobs import TokenLogprob  # [ch25]
+from minisgl.sampling_params import SamplingParams
 
 
 @dataclass

@@ -46,13 +46,15 @@ def check_quantization(method: str | None, model_path: str | None = None) -> Non
 def check_kv_cache_dtype(name: str, attention_backend: str) -> str:
     """The canonical name of a KV-cache dtype ("auto": the model's; "fp8_e4m3"), or a
     ValueError for one we do not store or an attention backend that cannot read it."""
-    from minisgl.attention.registry import reads_fp8_kv
-
     if name not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype {name!r} is not supported: choose auto (the model's dtype) or fp8_e4m3"
         )
-    if KV_CACHE_DTYPES[name] != "auto" and not reads_fp8_kv(attention_backend):
+    if KV_CACHE_DTYPES[name] == "auto":
+        return "auto"
+    from minisgl.attention.registry import reads_fp8_kv  # the backends' classes, and torch
+
+    if not reads_fp8_kv(attention_backend):
         raise ValueError(
             f"attention backend {attention_backend!r} does not read an FP8 KV cache: use "
             "triton (GPU), torch or auto with kv_cache_dtype fp8_e4m3"

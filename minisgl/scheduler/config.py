@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING  # [ch27]
 
 from minisgl.engine.config import EngineConfig
-from minisgl.scheduler.kv_events import KVEventsConfig  # [ch27]
+
+if TYPE_CHECKING:  # [ch27]
+    from minisgl.scheduler.kv_events import KVEventsConfig  # [ch27]
 
 
 @dataclass

@@ -40,13 +40,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgpack
-import torch
 
-from minisgl.kvcache.radix_cache import RadixCache, RadixNode
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the flags and the config are read in the API server's process: no torch
+    import torch
     import zmq
 
+    from minisgl.kvcache.radix_cache import RadixNode
     from minisgl.scheduler.cache import CacheManager
     from minisgl.scheduler.config import SchedulerConfig
 
@@ -182,7 +181,7 @@ class KVEventPublisher:
         while node.parent is not None:
             keys.append(node.key)
             node = node.parent
-        tokens = torch.cat(keys[::-1]).tolist()
+        tokens = [t for key in reversed(keys) for t in key.tolist()]
         hashes, parent, ps = [], b"", self.page_size
         for i in range(0, len(tokens), ps):
             page = struct.pack(f"<{ps}i", *tokens[i : i + ps])
@@ -238,7 +237,7 @@ def start_kv_events(
     """The publisher, hooked into the radix cache; None when events are off (or rank > 0)."""
     if config.kv_events is None or config.tp_rank != 0:  # the ranks hold one cache between them
         return None
-    if not isinstance(cache.cache, RadixCache):
+    if config.cache_type != "radix":
         raise ValueError("KV-cache events describe the radix prefix cache; --cache naive has none")
     medium = "GPU" if device.type == "cuda" else "CPU"
     publisher = KVEventPublisher(config.kv_events, cache.page_size, medium)

@@ -19,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minisgl.core import SamplingParams
 from minisgl.message.frontend import DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest

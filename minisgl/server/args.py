@@ -11,9 +11,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from minisgl.attention.registry import backend_names
+from minisgl.attention import NAMES as ATTENTION_BACKENDS
+from minisgl.engine.config import DTYPES
 from minisgl.quant.config import KV_CACHE_DTYPES  # [ch28]
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv_events import add_kv_events_options, kv_events_config  # [ch27]
@@ -21,12 +20,6 @@ from minisgl.server.dp_args import Replicas, add_dp_options, check_dp_options  #
 from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
 from minisgl.speculative.config import add_speculative_options  # [ch26]
 
-_DTYPES = {
-    "auto": None,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-}
 _FIELDS = {f.name: f for f in fields(SchedulerConfig)}
 _PREFILL_GRAPHS = ["off", "breakable", "full"]  # [ch23]
 _PREFILL_HELP = "prefill CUDA graphs (default: breakable on CUDA, off on CPU)"  # [ch23]
@@ -76,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         prog="python -m minisgl", description="Serve a model with an OpenAI-compatible API."
     )
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
-    p.add_argument("--dtype", choices=list(_DTYPES), default="auto")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
     p.config_option("device", choices=["auto", "cpu", "cuda"])
     add_tp_options(p)  # [ch21]
     add_dp_options(p)  # [ch27]
@@ -88,7 +81,10 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     )
     p.config_option("page_size", type=int)
     p.config_option(
-        "attention_backend", "--attn", choices=backend_names(), help="attention backend"
+        "attention_backend",
+        "--attn",
+        choices=["auto", *ATTENTION_BACKENDS],
+        help="attention backend",
     )
     p.config_option("cache_type", "--cache", choices=["radix", "naive"])
     p.config_option("cuda_graph_max_bs", type=int, help="0 disables CUDA graphs")  # [ch18]
@@ -130,7 +126,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if min(a.max_queued_requests, a.shutdown_timeout, a.worker_timeout) < 0:
         p.error("--max-queued-requests, --shutdown-timeout and --worker-timeout take a number >= 0")
     try:
-        config = SchedulerConfig(model_path=a.model, dtype=_DTYPES[a.dtype], **p.config(a))
+        dtype = None if a.dtype == "auto" else a.dtype  # a name: the scheduler resolves it
+        config = SchedulerConfig(model_path=a.model, dtype=dtype, **p.config(a))
     except ValueError as e:
         p.error(str(e))
     config.kv_events = kv_events_config(p, a)  # [ch27]

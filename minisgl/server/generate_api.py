@@ -26,8 +26,8 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from minisgl.core import SamplingParams
 from minisgl.message.frontend import DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.protocol import INT64_END, MAX_PROMPTS, APIError, Text, TokenId
 

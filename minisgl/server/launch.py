@@ -12,23 +12,26 @@ import logging
 import signal
 import sys
 
-import uvicorn
-
-from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
-from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
-from minisgl.server.dashboard import add_dashboard_routes  # [ch30]
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.replicas import serve_replicas  # [ch27]
-from minisgl.server.supervisor import Supervisor
-from minisgl.server.worker_api import add_worker_routes  # [ch27]
 from minisgl.shell import run_shell  # [ch17]
 
 logger = logging.getLogger("minisgl")
 
 
 async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
+    # Imported once the workers are started, so that FastAPI's, pydantic's and uvicorn's
+    # imports (a quarter of a second, more from a cold disk) overlap the engine's load.
+    import uvicorn
+
+    from minisgl.server.api_server import create_app
+    from minisgl.server.dashboard import add_dashboard_routes  # [ch30]
+    from minisgl.server.supervisor import Supervisor
+    from minisgl.server.worker_api import add_worker_routes  # [ch27]
+
+    tree.wait_ready()
     limits = tree.limits
     assert limits is not None, "the scheduler reports its limits when it is ready"
     max_requests = limits.max_running_req + args.max_queued_requests
@@ -58,10 +61,15 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
 
 
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:
-    if args.node_rank > 0:  # a machine that hosts ranks only serves nothing  # [ch21]
-        return await wait_for_ranks(tree.procs)  # [ch21]
+    # >>> ch21 a machine that hosts ranks only serves nothing
+    if args.node_rank > 0:
+        from minisgl.scheduler.ranks import wait_for_ranks  # torch: not for the API server
+
+        return await wait_for_ranks(tree.procs)
+    # <<< ch21
     # >>> ch17 the shell instead of the HTTP server
     if args.shell:
+        tree.wait_ready()
         return await run_shell(Frontend(tree.ipc_dir), tree)
     # <<< ch17
     return await _serve(args, tree)

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from minisgl.core import SamplingParams
+from minisgl.sampling_params import SamplingParams
 from minisgl.server import tools as calling  # [ch25]
 from minisgl.server.response_format import ResponseFormat, schema_text  # [ch25]
 

@@ -29,8 +29,6 @@ import urllib.error
 import urllib.request
 from types import FrameType
 
-import torch
-
 from minisgl.server.args import ServerArgs
 
 logger = logging.getLogger("minisgl")
@@ -203,6 +201,8 @@ def gpu_sets(args: ServerArgs) -> list[str | None]:
     """Each replica's CUDA_VISIBLE_DEVICES: --tp-size GPUs apiece; None on CPU."""
     assert args.replicas is not None
     n, tp, device = args.replicas.size, args.scheduler.tp_size, args.scheduler.device
+    import torch  # to count the GPUs: here, for the launcher that imports us has no torch
+
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return [None] * n
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

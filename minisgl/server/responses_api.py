@@ -35,8 +35,8 @@ from pydantic import (
     model_validator,
 )
 
-from minisgl.core import SamplingParams
 from minisgl.message.frontend import TokenizeMsg
+from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import INT64_END, APIError, ChatCompletionRequest, Text
 from minisgl.server.responses_output import Answer, stream, whole

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator
 from multiprocessing.process import BaseProcess
@@ -54,6 +55,13 @@ class Supervisor(uvicorn.Server):
         self.worker_timeout = worker_timeout
         self.draining: asyncio.Task | None = None  # the drain, once a signal came
         self.exit_code = 0
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening: the last step of the server's start-up
+            logger.info(
+                "start-up: HTTP server listening on %s:%d", self.config.host, self.config.port
+            )
 
     def live(self) -> bool:
         return self.dead() is None and self.exit_code == 0

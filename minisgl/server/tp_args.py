@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from minisgl.layers.parallel import check_tp
-from minisgl.models.config import ModelConfig
-
 if TYPE_CHECKING:
     from minisgl.server.args import ConfigParser
 
@@ -29,6 +26,12 @@ def check_tp_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--node-rank {a.node_rank} is not in [0, --nnodes {a.nnodes})")
     if a.nnodes > 1 and a.dist_init_addr is None:
         p.error("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, on every node)")
+    if a.tp_size == 1:
+        return
+    # Imported here: they import torch, which one rank and the API server's process do without.
+    from minisgl.layers.parallel import check_tp
+    from minisgl.models.config import ModelConfig
+
     try:
         check_tp(ModelConfig.from_path(a.model), a.tp_size)
     except ValueError as e:

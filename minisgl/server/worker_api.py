@@ -42,11 +42,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 import minisgl
-from minisgl.core import SamplingParams
 from minisgl.engine.limits import EngineLimits
 from minisgl.message.backend import FlushCacheMsg, SchedulerStats
 from minisgl.message.frontend import RejectedMsg, TokenizeMsg
 from minisgl.message.transport import AsyncWriter, address
+from minisgl.sampling_params import SamplingParams
 from minisgl.server.args import ServerArgs
 from minisgl.server.frontend import Frontend
 from minisgl.server.generate_api import add_generate_route

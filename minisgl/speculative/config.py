@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from minisgl.models.config import ModelConfig
-
 DRAFTERS = ("off", "ngram", "draft")
 
 
@@ -37,6 +35,8 @@ def check_draft_model(config: Any) -> None:
         raise ValueError(f"draft_model {config.draft_model} is not a model folder (no config.json)")
     if config.tp_size > 1:
         raise ValueError("a draft model runs on one device: speculative 'draft' needs tp_size 1")
+    from minisgl.models.config import ModelConfig  # torch: only where a draft model is asked for
+
     draft = ModelConfig.from_path(config.draft_model).vocab_size
     target = ModelConfig.from_path(config.model_path).vocab_size
     if draft != target:

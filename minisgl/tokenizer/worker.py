@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import zmq
 
@@ -31,9 +32,13 @@ logger = logging.getLogger(__name__)
 
 
 class TokenizerWorker:
-    def __init__(self, model_path: str, ipc_dir: str, limits: EngineLimits) -> None:
+    """Ready once built. The server starts it with the scheduler: it loads the tokenizer while
+    the engine loads, then waits for the engine's limits (None given), which prompts must fit."""
+
+    def __init__(self, model_path: str, ipc_dir: str, limits: EngineLimits | None = None) -> None:
+        began = time.perf_counter()
         self.tokenizer = Tokenizer(model_path)
-        self.limits = limits
+        logger.info("start-up: tokenizer loaded in %.2fs", time.perf_counter() - began)
         ctx = zmq.Context()
         self.from_api = Reader(ctx, address(ipc_dir, "tokenizer"))
         self.from_scheduler = Reader(ctx, address(ipc_dir, "detokenizer"))
@@ -44,6 +49,16 @@ class TokenizerWorker:
         self.poller.register(self.from_scheduler.socket, zmq.POLLIN)
         self.detoks: dict[int, IncrementalDetokenizer] = {}
         self.logprob_texts = LogprobTexts(self.tokenizer)  # [ch25]
+        self.limits = limits or self._wait_for_limits()
+
+    def _wait_for_limits(self) -> EngineLimits:
+        """The scheduler's ready message, forwarded by the launcher: the first on our pipe."""
+        parent = os.getppid()
+        while os.getppid() == parent:
+            msg = self.from_api.recv(timeout_ms=500)
+            if isinstance(msg, ReadyMsg):
+                return EngineLimits.from_dict(msg.info["limits"])
+        raise SystemExit("the launcher died before the engine was ready")
 
     def run(self) -> None:
         parent = os.getppid()
@@ -137,11 +152,9 @@ class TokenizerWorker:
         self.to_api.send(delta)
 
 
-def run_tokenizer_worker(
-    model_path: str, ipc_dir: str, limits: EngineLimits, log_level: str
-) -> None:
+def run_tokenizer_worker(model_path: str, ipc_dir: str, log_level: str) -> None:
     logging.basicConfig(level=log_level, format="%(asctime)s tokenizer %(levelname)s %(message)s")
-    worker = TokenizerWorker(model_path, ipc_dir, limits)
+    worker = TokenizerWorker(model_path, ipc_dir)
     ready = Writer(zmq.Context.instance(), address(ipc_dir, "ready"))
     ready.send(ReadyMsg("tokenizer"))
     worker.run()
