@@ -61,6 +61,28 @@ def _attend_block(
 
 
 @triton.jit
+def _attend_range(
+    q, K, V, table_row, start, end, kv_head, stride_ks, stride_kh, stride_vs, stride_vh,
+    offs_d, d_mask, sm_scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """One decode program's online softmax over the keys at positions [start, end) of its
+    request, found through the request's row of the page table: (m_i, l_i, acc)."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
+            n_mask[:, None] & d_mask[None, :], n_mask[None, :], sm_scale, m_i, l_i, acc, IEEE,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, PageTable, Rows, SeqLens, OutPartial, LsePartial,
     sm_scale,
@@ -94,17 +116,10 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend_block(
-            q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
-            n_mask[:, None] & d_mask[None, :], n_mask[None, :], sm_scale, m_i, l_i, acc, IEEE,
-        )  # fmt: skip
+    m_i, l_i, acc = _attend_range(
+        q, K, V, PageTable + row * stride_pt, start, end, kv_head, stride_ks, stride_kh,
+        stride_vs, stride_vh, offs_d, d_mask, sm_scale, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
+    )  # fmt: skip
 
     # A split past the end of the keys (each covers cdiv(seq_len, NUM_SPLITS) of them, so
     # the last ones can be empty) weighs nothing in the merge.

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.attention import DECODE_BLOCK_N, _attend_block, decode_num_splits
+from minisgl.kernels.attention import DECODE_BLOCK_N, _attend_range, decode_num_splits
 from minisgl.kernels.pdl import pdl_launch, pdl_wait
 from minisgl.kernels.rope_store import _cached
 
@@ -116,17 +116,10 @@ def _decode_qkv_kernel(
         tl.store(V + at, _cached(v, V), mask=store)
         tl.debug_barrier()  # the loads below read this key back
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < end
-        slots = tl.load(PageTable + row * stride_pt + offs_n, mask=n_mask, other=0).to(tl.int64)
-        m_i, l_i, acc = _attend_block(
-            q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
-            n_mask[:, None] & d_mask[None, :], n_mask[None, :], sm_scale, m_i, l_i, acc, IEEE,
-        )  # fmt: skip
+    m_i, l_i, acc = _attend_range(
+        q, K, V, PageTable + row * stride_pt, start, end, kv_head, stride_ks, stride_kh,
+        stride_vs, stride_vh, offs_d, d_mask, sm_scale, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
+    )  # fmt: skip
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
