@@ -46,7 +46,8 @@ class EngineConfig:
     nnodes: int = 1  # machines the ranks are spread over, tp_size // nnodes ranks on each
     dist_init_addr: str | None = None  # host:port where the ranks meet: rank 0's machine
     # <<< ch21
-    # >>> ch26 speculative decoding: "off", "ngram" (drafts by prompt lookup) or "draft"
+    # >>> ch26 speculative decoding: "off", "ngram" (prompt lookup), "suffix" (this and
+    # earlier requests' text) or "draft" (a smaller model)
     speculative: str = "off"
     draft_model: str | None = None  # with "draft": a smaller model folder, the same vocabulary
     num_draft_tokens: int = 8  # the most drafts a request proposes per step

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-DRAFTERS = ("off", "ngram", "draft")
+DRAFTERS = ("off", "ngram", "suffix", "draft")
 
 
 def check_speculative(config: Any) -> None:

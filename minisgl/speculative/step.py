@@ -12,19 +12,15 @@ and get KV pages; after acceptance the request's lengths cover only what was acc
 the pages of rejected drafts go back, and the radix cache only ever sees accepted tokens
 (it caches up to `cached_len`).
 
-How many drafts a request proposes follows from its own recent acceptance: with each draft
-taken with probability a (estimated per request, recent verifies weighing most), the j-th
-draft adds a token with probability a^j, so a request drafts up to the largest j whose a^j
-is still worth a verify slot (at least WORTH): all k while it copies well, one or two
-while its drafts are mostly wrong. The step is taken only where it is exact and pays: no grammar
-or log-probabilities in the batch (they take the plain step), at most
-`speculative_max_bs` requests, and at least one draft.
+How many drafts a request proposes, and whether it proposes any, follows from its own
+measured acceptance and the measured step costs (acceptance.py, cost.py). The step is taken
+only where it is exact and pays: no grammar or log-probabilities in the batch (they take
+the plain step), at most `speculative_max_bs` requests, and at least one draft.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import TYPE_CHECKING
 
@@ -33,9 +29,11 @@ import torch
 from minisgl.core import Batch, Req
 from minisgl.message.backend import TokenMsg
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.speculative.acceptance import Acceptance
 from minisgl.speculative.cost import StepCosts
 from minisgl.speculative.draft_model import DraftModelDrafter
 from minisgl.speculative.ngram import NgramDrafter
+from minisgl.speculative.suffix import SuffixDrafter
 from minisgl.speculative.verify import accept_drafts
 from minisgl.utils import to_device, to_host
 
@@ -44,9 +42,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-WORTH = 0.1  # a draft is proposed while the chance it adds a token is at least this
-DECAY = 0.8  # the weight of the acceptance seen so far against the newest verify
-
 
 class Speculator:
     def __init__(self, scheduler: Scheduler, config: SchedulerConfig) -> None:
@@ -54,11 +49,12 @@ class Speculator:
         self.enabled = config.speculative != "off"
         self.max_drafts, self.max_bs = config.num_draft_tokens, config.speculative_max_bs
         self.always = config.speculative_always  # no measuring: every draft is verified
-        self.drafter: NgramDrafter | DraftModelDrafter = NgramDrafter()
+        self.drafter: NgramDrafter | DraftModelDrafter | SuffixDrafter = NgramDrafter()
         if config.speculative == "draft":  # a smaller model's greedy tokens
             self.drafter = DraftModelDrafter(config, scheduler.engine)
-        # By uid: drafts taken and drafts rejected, recent verifies weighing most.
-        self.taken: dict[int, tuple[float, float]] = {}
+        elif config.speculative == "suffix":  # this request's and earlier requests' text
+            self.drafter = SuffixDrafter()
+        self.acceptance = Acceptance(self.max_drafts)  # per request: rate, switch-off
         # Drafts proposed and accepted, requests verified, and verify forwards run.
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
         self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
@@ -110,16 +106,13 @@ class Speculator:
         what a verify step costs at this batch size (cost.py)."""
         if not any(drafts) or self.always:
             return any(drafts)
-        expected = 0.0
-        for req, draft in zip(reqs, drafts):
-            rate = self.rate(req.uid)
-            expected += sum(rate**j for j in range(1, len(draft) + 1))
+        expected = sum(self.acceptance.expected(r.uid, len(d)) for r, d in zip(reqs, drafts))
         return self.costs.pays(len(reqs), expected)
 
     def release(self, uid: int) -> None:
         """A request finished or was preempted: forget it, and a drafter's state for it."""
         if self.enabled:
-            self.taken.pop(uid, None)
+            self.acceptance.forget(uid)
             self.drafter.retain(set(self.scheduler.reqs) - {uid})
 
     def shutdown(self) -> None:
@@ -147,25 +140,20 @@ class Speculator:
 
     def _draft(self, reqs: list[Req]) -> list[list[int]]:
         """Each request's drafts: as many as its acceptance earns, fewer near its length
-        limit, none with penalties (they change with every token: see verify.py)."""
+        limit, none while it is switched off or with penalties (they change with every
+        token: see verify.py)."""
+        a = self.acceptance
         ks = [
-            0 if r.sampling_params.has_penalties else min(self.draft_len(r.uid), r.remain_len - 1)
+            min(a.draft_len(r.uid), r.remain_len - 1)
+            if not r.sampling_params.has_penalties and a.proposes(r.uid, r.seq_len)
+            else 0
             for r in reqs
         ]
         return self.drafter.propose(reqs, ks)
 
     def rate(self, uid: int) -> float:
-        """The share of a request's drafts accepted so far, recent verifies weighing most
-        (a fresh request starts at 0.8)."""
-        taken, rejected = self.taken.get(uid, (2.0, 0.5))
-        return taken / (taken + rejected)
-
-    def draft_len(self, uid: int) -> int:
-        """The most drafts j with a^j >= WORTH, a the request's acceptance rate so far."""
-        rate = self.rate(uid)
-        if rate >= 1.0:
-            return self.max_drafts
-        return max(1, min(self.max_drafts, int(math.log(WORTH) / math.log(max(rate, 1e-3)))))
+        """The share of a request's drafts accepted so far (a fresh request starts at 0.8)."""
+        return self.acceptance.rate(uid)
 
     def _fit(self, drafts: list[list[int]], reqs: list[Req]) -> list[list[int]]:
         """Drop the drafts of the last requests whose pages would not fit."""
@@ -212,8 +200,9 @@ class Speculator:
             torch.cuda.current_stream(device).synchronize()  # the host needs them now
         accepted_h, final_h = both.tolist()
         messages = []
+        need = None if self.always else self.costs.ratio(len(reqs)) - 1  # of gain, to go on
         for req, draft, n, token in zip(reqs, drafts, accepted_h, final_h):
-            self._count(req.uid, n, len(draft))
+            self._count(req, n, len(draft), need)
             req.cached_len += 1 + n  # its last token and the accepted drafts
             req.device_len = req.cached_len + 1
             s.cache.trim(req, req.device_len)
@@ -222,20 +211,17 @@ class Speculator:
                 reason = s._finish_reason(req, t)
                 messages.append(TokenMsg(req.uid, t, reason is not None, reason, req.cached_tokens))
                 if reason is not None:
-                    s._finish(req)
-                    self.taken.pop(req.uid, None)
+                    s._finish(req)  # which forgets its acceptance
                     break
-        if len(self.taken) > 2 * len(s.reqs) + 64:  # requests aborted since
-            self.taken = {uid: v for uid, v in self.taken.items() if uid in s.reqs}
+        if len(self.acceptance.records) > 2 * len(s.reqs) + 64:  # requests aborted since
+            self.acceptance.retain(set(s.reqs))
             self.drafter.retain(set(s.reqs))
         return messages
 
-    def _count(self, uid: int, accepted: int, drafted: int) -> None:
+    def _count(self, req: Req, accepted: int, drafted: int, need: float | None) -> None:
         self.num_steps += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
-        if drafted:
-            taken, rejected = self.taken.get(uid, (2.0, 0.5))
-            missed = accepted < drafted  # the draft after the accepted ones was wrong
-            self.taken[uid] = (DECAY * taken + accepted, DECAY * rejected + missed)
+        if drafted:  # the request will be 1 + accepted tokens longer
+            self.acceptance.record(req.uid, accepted, drafted, req.seq_len + 1 + accepted, need)
             self.accepted_lengths[accepted] += 1

@@ -1,0 +1,95 @@
+"""A request's acceptance: how many drafts it proposes, and when it stops proposing at all.
+
+Per request, a moving count of drafts taken and rejected (recent verifies weighing most)
+gives an acceptance rate a. A draft j positions deep adds a token only if the j - 1 before
+it were taken, with probability about a^j, so a request drafts up to the largest j with
+a^j >= WORTH: all k while it copies well, one or two while its drafts are mostly wrong. Its
+expected gain from a verify is E = a + a^2 + ... over those drafts.
+
+Never slower, by construction: a verify step costs r plain steps (cost.py measures r per
+batch size), so it pays for a request only where E >= r - 1. A request whose rate falls
+below that after a verify is switched off: it drafts nothing for BACKOFF tokens, then
+probes once with a fresh count (its text may have changed, a chat turned into a copy). A
+probe that fails doubles the wait, one that pays resets it. So a request whose drafts
+always miss spends a few verify steps at its start (one where a verify costs two plain
+steps), then one for each doubling of its length: on 256 tokens, five.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WORTH = 0.1  # a draft is proposed while the chance it adds a token is at least this
+DECAY = 0.8  # the weight of the acceptance seen so far against the newest verify
+FRESH = (2.0, 0.5)  # drafts taken and rejected of a request that has not verified: a = 0.8
+MIN_GAIN = 0.1  # a smaller expected gain is within the noise of measured step times
+BACKOFF = 16  # tokens decoded plainly after a switch-off, before a probe
+MAX_BACKOFF = 1024
+
+
+@dataclass
+class Record:
+    taken: float = FRESH[0]
+    rejected: float = FRESH[1]
+    off_until: int = 0  # the request drafts nothing while shorter than this
+    backoff: int = BACKOFF
+
+
+class Acceptance:
+    def __init__(self, max_drafts: int) -> None:
+        self.max_drafts = max_drafts
+        self.records: dict[int, Record] = {}  # by uid
+
+    def rate(self, uid: int) -> float:
+        """The share of a request's drafts accepted, recent verifies weighing most."""
+        r = self.records.get(uid)
+        taken, rejected = (r.taken, r.rejected) if r else FRESH
+        return taken / (taken + rejected)
+
+    def draft_len(self, uid: int) -> int:
+        """The most drafts j with a^j >= WORTH."""
+        rate = self.rate(uid)
+        if rate >= 1.0:
+            return self.max_drafts
+        return max(1, min(self.max_drafts, int(math.log(WORTH) / math.log(max(rate, 1e-3)))))
+
+    def expected(self, uid: int, drafts: int) -> float:
+        """The drafts of these many that a verify is expected to accept."""
+        rate = self.rate(uid)
+        return sum(rate**j for j in range(1, drafts + 1))
+
+    def proposes(self, uid: int, length: int) -> bool:
+        """Whether the request, `length` tokens long, proposes drafts (is not switched off);
+        where its wait is over, it probes with a fresh count."""
+        r = self.records.get(uid)
+        if r is None or r.off_until == 0:
+            return True
+        if length < r.off_until:
+            return False
+        r.taken, r.rejected = FRESH
+        r.off_until = 0
+        return True
+
+    def record(
+        self, uid: int, accepted: int, drafted: int, length: int, need: float | None
+    ) -> None:
+        """A verify took `accepted` of the request's `drafted` drafts; it is `length`
+        tokens long now. With `need` (the gain a verify must bring: r - 1) a request whose
+        drafts no longer pay is switched off; without, it keeps drafting."""
+        r = self.records.setdefault(uid, Record())
+        missed = accepted < drafted  # the draft after the accepted ones was wrong
+        r.taken, r.rejected = DECAY * r.taken + accepted, DECAY * r.rejected + missed
+        if need is None:
+            return
+        if self.expected(uid, self.draft_len(uid)) < max(need, MIN_GAIN):
+            r.off_until = length + r.backoff
+            r.backoff = min(2 * r.backoff, MAX_BACKOFF)
+        elif accepted:
+            r.backoff = BACKOFF
+
+    def forget(self, uid: int) -> None:
+        self.records.pop(uid, None)
+
+    def retain(self, uids: set[int]) -> None:
+        self.records = {uid: r for uid, r in self.records.items() if uid in uids}

@@ -1,0 +1,208 @@
+"""Suffix drafts: what followed the text's longest matching suffix, in this request and in
+the answers of earlier ones, as far as the counts say it is likely.
+
+N-gram lookup (ngram.py) finds drafts only where a request repeats its own prompt. Much of
+what a service generates also repeats what *other* requests generated: the same openings
+of answers, the same JSON keys, the same boilerplate. So this drafter keeps two trees of
+the same kind: one per request over its prompt and output, and one shared by all over
+the outputs of earlier requests (the requests it drafted for), bounded by the tokens it
+holds: the oldest outputs leave first.
+
+The tree is a suffix trie cut at DEPTH: every substring of up to DEPTH tokens of the
+sequences added is a path from the root, and each node counts how often its substring
+occurred. Adding a token visits at most DEPTH nodes (the ends of the suffixes that the
+token extends), so the cost per token is flat and a tree holds at most DEPTH nodes per
+token. To draft, take the longest suffix of the request's text that occurred before with
+a continuation (a binary search: a suffix that occurred followed by a token has shorter
+suffixes that did too), then follow the most frequent child, token by token. The share of
+that child among its siblings estimates the chance it comes next; their product, the chance
+that the whole run so far is right. The run stops where that falls below MIN_PROB, or where
+it is as long as the match (a text that followed another for m tokens is trusted about m
+tokens further), or at k. So the frequencies choose the draft length: a phrase that always
+continued the same way drafts far, one that forked drafts little. The tree that offers
+more expected tokens (the sum of those chances) wins.
+
+Every drafter answers `propose(reqs, ks)` and `retain(uids)` (see ngram.py); this one keeps
+what it learned from a request when `retain` no longer lists it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from minisgl.core import Req
+
+DEPTH = 10  # the longest substring a tree counts; a match of DEPTH - 1 covers 8 drafts
+MIN_MATCH = 2  # a match of one token guesses mostly wrong (as for n-gram drafts)
+MIN_PROB = 0.1  # a draft token is proposed while the run up to it is at least this likely
+OWN_WINDOW = 4096  # a request's tree starts from its last tokens: its cost stays bounded
+SHARED_TOKENS = 16384  # earlier outputs the shared tree holds; at most DEPTH nodes a token
+
+
+class Node:
+    __slots__ = ("children", "count")
+
+    def __init__(self) -> None:
+        self.count = 0  # occurrences of the substring this node ends
+        self.children: dict[int, Node] = {}
+
+
+class SuffixTree:
+    """The substrings of up to `depth` tokens of every sequence added, with their counts."""
+
+    def __init__(self, depth: int = DEPTH) -> None:
+        self.depth = depth
+        self.root = Node()
+        self.num_nodes = 0
+
+    def extend(self, ends: list[Node], tokens: list[int]) -> list[Node]:
+        """Add tokens to a sequence. `ends[i]` is the node of its suffix of i tokens
+        (`[self.root]` for a new sequence); returns the ends after the new tokens."""
+        for token in tokens:
+            after = [self.root]
+            for node in ends:
+                child = node.children.get(token)
+                if child is None:
+                    child = node.children[token] = Node()
+                    self.num_nodes += 1
+                child.count += 1
+                if len(after) < self.depth:  # a suffix of depth tokens extends no further
+                    after.append(child)
+            ends = after
+        return ends
+
+    def remove(self, tokens: list[int]) -> None:
+        """Take out a sequence that was added whole: every count it added, and the nodes
+        only it had."""
+        ends = [self.root]
+        for token in tokens:
+            after = [self.root]
+            for node in ends:
+                child = node.children[token]
+                child.count -= 1
+                if child.count == 0:  # its subtree counted only this sequence too
+                    del node.children[token]
+                    self.num_nodes -= 1
+                if len(after) < self.depth:
+                    after.append(child)
+            ends = after
+
+    def match(self, text: list[int]) -> tuple[int, Node]:
+        """The longest suffix of `text` (at most depth - 1 tokens) that occurred followed
+        by a token: its length and node; (0, root) if none. The longest is tried first
+        (a text that copies, or a draft run past the deepest level, has it), then the
+        lengths between, by bisection."""
+        best, lo, hi = (0, self.root), 1, min(self.depth - 1, len(text))
+        mid = hi
+        while lo <= hi:
+            node = self.find(text[len(text) - mid :])
+            if node is not None and node.children:
+                best, lo = (mid, node), mid + 1
+            else:
+                hi = mid - 1
+            mid = (lo + hi) // 2
+        return best
+
+    def find(self, tokens: list[int]) -> Node | None:
+        node: Node | None = self.root
+        for token in tokens:
+            node = node.children.get(token)
+            if node is None:
+                return None
+        return node
+
+    def draft(self, text: list[int], k: int) -> tuple[list[int], float]:
+        """Up to k tokens that likely follow `text`, and the tokens of them expected to be
+        right (the sum of each run's estimated probability)."""
+        tail = text[-(self.depth - 1) :]
+        length, node = self.match(tail)
+        if length < MIN_MATCH:
+            return [], 0.0
+        drafts: list[int] = []
+        prob, expected = 1.0, 0.0
+        while len(drafts) < min(k, length):
+            if not node.children:  # the deepest level: match again, the drafts included
+                again, node = self.match(tail)
+                if again < MIN_MATCH:
+                    break
+            total = sum(c.count for c in node.children.values())
+            token, child = max(node.children.items(), key=lambda item: item[1].count)
+            prob *= child.count / total
+            if prob < MIN_PROB:
+                break
+            drafts.append(token)
+            tail.append(token)
+            expected += prob
+            node = child
+        return drafts, expected
+
+
+@dataclass
+class Own:
+    """A request's tree and how far it has read the request's tokens."""
+
+    req: Req
+    tree: SuffixTree = field(default_factory=SuffixTree)
+    ends: list[Node] = field(default_factory=list)
+    read: int = 0  # tokens of req.input_ids added
+
+
+class SuffixDrafter:
+    def __init__(self, shared_tokens: int = SHARED_TOKENS) -> None:
+        self.shared = SuffixTree()
+        self.capacity = shared_tokens
+        self.outputs: OrderedDict[int, list[int]] = OrderedDict()  # in the shared tree, by uid
+        self.held = 0  # tokens in self.outputs
+        self.own: dict[int, Own] = {}  # by uid
+
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        drafts = []
+        for req, k in zip(reqs, ks):
+            if k == 0:
+                drafts.append([])
+                continue
+            own = self._read(req)
+            tail = req.input_ids[-(DEPTH - 1) :].tolist()
+            mine, theirs = own.tree.draft(tail, k), self.shared.draft(tail, k)
+            drafts.append(max(mine, theirs, key=lambda d: d[1])[0])
+        return drafts
+
+    def retain(self, uids: set[int]) -> None:
+        for uid in [uid for uid in self.own if uid not in uids]:
+            self.learn(self.own.pop(uid).req)
+
+    def learn(self, req: Req) -> None:
+        """Put a request's output into the shared tree, after the last prompt tokens that
+        led to it (so that the start of an answer is found too); a request seen before (one
+        that was preempted) replaces its earlier output. The oldest outputs leave while
+        the tree holds more than its capacity."""
+        if req.seq_len == req.prompt_len:
+            return  # nothing generated
+        start = max(0, req.prompt_len - (DEPTH - 1))
+        tokens = req.input_ids[start:].tolist()[-self.capacity :]
+        self._forget(req.uid)
+        self.shared.extend([self.shared.root], tokens)
+        self.outputs[req.uid] = tokens
+        self.held += len(tokens)
+        while self.held > self.capacity:
+            self._forget(next(iter(self.outputs)))
+
+    def _forget(self, uid: int) -> None:
+        tokens = self.outputs.pop(uid, None)
+        if tokens is not None:
+            self.shared.remove(tokens)
+            self.held -= len(tokens)
+
+    def _read(self, req: Req) -> Own:
+        """The request's tree, up to date with its tokens (a new one from its last
+        OWN_WINDOW tokens)."""
+        own = self.own.get(req.uid)
+        if own is None:
+            own = self.own[req.uid] = Own(req)
+            own.ends = [own.tree.root]
+            own.read = max(0, req.seq_len - OWN_WINDOW)
+        if own.read < req.seq_len:
+            own.ends = own.tree.extend(own.ends, req.input_ids[own.read :].tolist())
+            own.read = req.seq_len
+        return own
