@@ -10,6 +10,7 @@ with many seeds, and shown to catch a broken resample step.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
 from minisgl.llm import LLM
 from minisgl.speculative import verify
+from minisgl.speculative.acceptance import BACKOFF, Acceptance
 from minisgl.speculative.cost import PRIOR, RETRY, StepCosts
 from minisgl.speculative.ngram import NgramDrafter
 from minisgl.speculative.verify import accept_drafts
@@ -346,3 +348,59 @@ def test_measured_costs_decide_and_the_output_stays_exact() -> None:
     llm.shutdown()
     assert got == want
     assert ("plain", 4) in costs.seen  # the plain decode steps of the batch were timed
+
+
+def verifies(acceptance: Acceptance, need: float, lengths: range, taken: bool) -> list[int]:
+    """The lengths at which a request alone in its batch verifies (every time it drafts:
+    its own check is the batch's), its drafts all taken or all missed."""
+    out = []
+    for length in lengths:
+        if acceptance.proposes(0, length, need):
+            k = acceptance.draft_len(0)
+            acceptance.record(0, k if taken else 0, k)
+            out.append(length)
+    return out
+
+
+def test_drafts_that_miss_switch_a_request_off_and_probes_back_off() -> None:
+    # A verify costing 2.2 plain steps (the H200 at batch 1): one verify, then one probe per
+    # doubling of the wait: 5 verifies in 256 tokens, at most 1.2 plain steps lost each.
+    assert verifies(Acceptance(8), 1.2, range(256), taken=False) == [0, 17, 50, 115, 244]
+    # A cheap verify (1.3 plain steps) is tried three times a probe, at 0.3 steps each.
+    assert len(verifies(Acceptance(8), 0.3, range(256), taken=False)) == 15
+    # Drafts that are taken keep a request drafting, all 8, every step.
+    copying = Acceptance(8)
+    assert verifies(copying, 1.2, range(64), taken=True) == list(range(64))
+    assert copying.draft_len(0) == 8
+    # Switched off, a request that starts copying drafts again at its next probe, and stays.
+    turning = Acceptance(8)
+    assert verifies(turning, 1.2, range(10), taken=False) == [0]
+    assert verifies(turning, 1.2, range(10, 40), taken=True) == list(range(1 + BACKOFF, 40))
+
+
+def test_on_random_text_drafts_that_miss_cost_a_few_verify_steps(monkeypatch) -> None:
+    """Drafts of random tokens, with the step costs measured on this machine: whatever
+    they are, the request stops drafting (no drafter work, no verify) after a few verify
+    steps, and its tokens are those of plain decoding."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (24,), generator=gen).tolist()]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+    rng, asked = random.Random(0), []
+
+    def guesses(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        asked.extend(k for k in ks if k)
+        return [[rng.randrange(1000) for _ in range(k)] for k in ks]
+
+    monkeypatch.setattr(NgramDrafter, "propose", guesses)
+    got, llm = generate(
+        TINY["llama"], prompts, params, speculative="ngram", speculative_always=False
+    )
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert got == want
+    # The most the switch-off allows in 64 tokens, where a verify seems to cost no more
+    # than a plain step (the measured costs can only make it fewer): 16, of 64 steps.
+    assert 1 <= spec.num_forwards <= 16 and spec.num_accepted == 0
+    assert len(asked) <= 16  # asked for drafts only before it verified them

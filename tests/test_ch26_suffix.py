@@ -136,7 +136,8 @@ PROMPTS = [
 def test_smollm2_greedy_equals_hugging_face_and_learns_from_earlier_answers() -> None:
     path = need(SMOL)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    llm = LLM(str(path), **KW, num_page_override=512, speculative="suffix", speculative_max_bs=4)
+    kw = dict(KW, num_page_override=512, speculative_max_bs=4, speculative_always=True)
+    llm = LLM(str(path), **kw, speculative="suffix")
     spec = llm.scheduler.spec
     ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     want = [hf_greedy(path, i, 16) for i in ids]

@@ -7,12 +7,12 @@ a^j >= WORTH: all k while it copies well, one or two while its drafts are mostly
 expected gain from a verify is E = a + a^2 + ... over those drafts.
 
 Never slower, by construction: a verify step costs r plain steps (cost.py measures r per
-batch size), so it pays for a request only where E >= r - 1. A request whose rate falls
-below that after a verify is switched off: it drafts nothing for BACKOFF tokens, then
-probes once with a fresh count (its text may have changed, a chat turned into a copy). A
-probe that fails doubles the wait, one that pays resets it. So a request whose drafts
-always miss spends a few verify steps at its start (one where a verify costs two plain
-steps), then one for each doubling of its length: on 256 tokens, five.
+batch size), so it pays for a request only where E >= r - 1. Before each step a request
+whose E falls short is switched off: it asks the drafter for nothing for BACKOFF tokens,
+then probes with a fresh count (its text may have changed: a chat turned into a copy). A
+probe that fails doubles the wait, one whose drafts are taken resets it. So a request whose
+drafts always miss spends a few verify steps at its start (one where a verify costs two
+plain steps), then one for each doubling of its length: on 256 tokens, five.
 """
 
 from __future__ import annotations
@@ -59,33 +59,27 @@ class Acceptance:
         rate = self.rate(uid)
         return sum(rate**j for j in range(1, drafts + 1))
 
-    def proposes(self, uid: int, length: int) -> bool:
-        """Whether the request, `length` tokens long, proposes drafts (is not switched off);
-        where its wait is over, it probes with a fresh count."""
-        r = self.records.get(uid)
-        if r is None or r.off_until == 0:
-            return True
+    def proposes(self, uid: int, length: int, need: float | None) -> bool:
+        """Whether the request, `length` tokens long, asks for drafts this step. `need` is
+        the gain a verify must bring (r - 1); None: every request drafts."""
+        r = self.records.setdefault(uid, Record())
         if length < r.off_until:
             return False
-        r.taken, r.rejected = FRESH
-        r.off_until = 0
-        return True
+        if r.off_until:  # the wait is over: a probe, from a fresh count
+            r.taken, r.rejected = FRESH
+            r.off_until = 0
+        if need is None or self.expected(uid, self.draft_len(uid)) >= max(need, MIN_GAIN):
+            return True
+        r.off_until = length + r.backoff
+        r.backoff = min(2 * r.backoff, MAX_BACKOFF)
+        return False
 
-    def record(
-        self, uid: int, accepted: int, drafted: int, length: int, need: float | None
-    ) -> None:
-        """A verify took `accepted` of the request's `drafted` drafts; it is `length`
-        tokens long now. With `need` (the gain a verify must bring: r - 1) a request whose
-        drafts no longer pay is switched off; without, it keeps drafting."""
+    def record(self, uid: int, accepted: int, drafted: int) -> None:
+        """A verify took `accepted` of the request's `drafted` drafts."""
         r = self.records.setdefault(uid, Record())
         missed = accepted < drafted  # the draft after the accepted ones was wrong
         r.taken, r.rejected = DECAY * r.taken + accepted, DECAY * r.rejected + missed
-        if need is None:
-            return
-        if self.expected(uid, self.draft_len(uid)) < max(need, MIN_GAIN):
-            r.off_until = length + r.backoff
-            r.backoff = min(2 * r.backoff, MAX_BACKOFF)
-        elif accepted:
+        if accepted:
             r.backoff = BACKOFF
 
     def forget(self, uid: int) -> None:

@@ -143,9 +143,10 @@ class Speculator:
         limit, none while it is switched off or with penalties (they change with every
         token: see verify.py)."""
         a = self.acceptance
+        need = None if self.always else self.costs.ratio(len(reqs)) - 1  # gain, to go on
         ks = [
             min(a.draft_len(r.uid), r.remain_len - 1)
-            if not r.sampling_params.has_penalties and a.proposes(r.uid, r.seq_len)
+            if not r.sampling_params.has_penalties and a.proposes(r.uid, r.seq_len, need)
             else 0
             for r in reqs
         ]
@@ -200,9 +201,8 @@ class Speculator:
             torch.cuda.current_stream(device).synchronize()  # the host needs them now
         accepted_h, final_h = both.tolist()
         messages = []
-        need = None if self.always else self.costs.ratio(len(reqs)) - 1  # of gain, to go on
         for req, draft, n, token in zip(reqs, drafts, accepted_h, final_h):
-            self._count(req, n, len(draft), need)
+            self._count(req.uid, n, len(draft))
             req.cached_len += 1 + n  # its last token and the accepted drafts
             req.device_len = req.cached_len + 1
             s.cache.trim(req, req.device_len)
@@ -218,10 +218,10 @@ class Speculator:
             self.drafter.retain(set(s.reqs))
         return messages
 
-    def _count(self, req: Req, accepted: int, drafted: int, need: float | None) -> None:
+    def _count(self, uid: int, accepted: int, drafted: int) -> None:
         self.num_steps += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
-        if drafted:  # the request will be 1 + accepted tokens longer
-            self.acceptance.record(req.uid, accepted, drafted, req.seq_len + 1 + accepted, need)
+        if drafted:
+            self.acceptance.record(uid, accepted, drafted)
             self.accepted_lengths[accepted] += 1
