@@ -23,7 +23,10 @@ KW = dict(dtype=torch.float32, device="cpu", max_running_req=4, max_seq_len_over
 def substrings(seqs: list[list[int]], depth: int) -> Counter:
     """Every substring of up to `depth` tokens, counted: what the tree must hold."""
     return Counter(
-        tuple(s[i : i + n]) for s in seqs for n in range(1, depth + 1) for i in range(len(s) - n + 1)
+        tuple(s[i : i + n])
+        for s in seqs
+        for n in range(1, depth + 1)
+        for i in range(len(s) - n + 1)
     )
 
 
@@ -74,7 +77,7 @@ def test_drafts_follow_the_longest_match_and_their_length_follows_the_counts() -
             fork.extend([fork.root], stem + tail)
     drafts, expected = fork.draft([0, *stem], 8)
     assert drafts == [7, 8, 9] and expected == pytest.approx(0.5 + 0.25 + 0.125)
-    assert 0.125 * 0.5 < MIN_PROB  # 10 or 12 after "7 8 9": a coin toss too many
+    assert MIN_PROB > 0.125 * 0.5  # 10 or 12 after "7 8 9": a coin toss too many
     # Past the deepest level the match is found again, drafts included.
     long = list(range(100, 100 + 3 * DEPTH))
     tree.extend([tree.root], long)
@@ -106,7 +109,9 @@ def test_the_shared_tree_is_bounded_and_evicts_the_oldest_outputs() -> None:
     last = kept[-1]
     drafter.learn(finished(last, [1, 2, 3], [4, 5, 6, 7]))
     assert drafter.outputs[last] == [1, 2, 3, 4, 5, 6, 7]
-    assert contents(drafter.shared) == substrings([drafter.outputs[u] for u in drafter.outputs], DEPTH)
+    assert contents(drafter.shared) == substrings(
+        [drafter.outputs[u] for u in drafter.outputs], DEPTH
+    )
     drafter.learn(finished(99, [1, 2], []))  # nothing generated: nothing learned
     assert 99 not in drafter.outputs
 

@@ -82,7 +82,10 @@ SMOKE = {
         + ["--prefill-batches", "1", "--prefill-len", "8", "--iters", "2", "--head-dim", "16"],
         "| 2 | 16 |",
     ),
-    "bench_speculative.py": ([*MODEL, "--smoke"], "| copy, batch 1 |"),
+    "bench_speculative.py": (
+        [*MODEL, "--smoke", "--speculative", "suffix"],
+        "| open-chat, batch 2 | held-out |",
+    ),
     "bench_moe.py": (
         ["--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"]
         + ["--tokens", "7", "--iters", "2", "--warmup", "1"],

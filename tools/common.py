@@ -48,7 +48,9 @@ def add_engine_args(
             "--tp-size", type=int, default=tp_size, help="ranks (GPUs) the model is cut over"
         )
     if attn is not None:  # a tool that builds the whole engine
-        p.add_argument("--speculative", default="off", help="off, ngram, suffix or draft: draft and verify")
+        p.add_argument(
+            "--speculative", default="off", help="off, ngram, suffix or draft: draft and verify"
+        )
         p.add_argument("--num-draft-tokens", type=int, default=8, help="with --speculative")
         p.add_argument("--draft-model", help="with --speculative draft: a smaller model folder")
         p.add_argument("--quantization", choices=["fp8"], help="fp8: FP8 weights")  # [ch28]
