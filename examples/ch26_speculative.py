@@ -1,4 +1,5 @@
-"""Chapter 26: speculative decoding with n-gram drafts, on the CPU: the same tokens, fewer steps.
+"""Chapter 26: speculative decoding with n-gram and suffix drafts, on the CPU: the same tokens,
+fewer steps.
 
 (A CPU computes every drafted token's forward for real, so there it saves steps, not time;
 a GPU, bound by launching kernels, checks a few tokens for about the price of one.)
@@ -27,6 +28,12 @@ def run(**kw):
     llm.scheduler.step = lambda: (steps.append(1), step())[1]
     out = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     spec = llm.scheduler.spec
+    if kw.get("speculative") == "suffix":  # the same prompts again: the answers are known
+        first = spec.num_drafted, spec.num_accepted
+        again = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        print("suffix drafts, same tokens:", out == again)
+        print(f"accepted {first[1]} of {first[0]} drafts, asked again", end=" ")
+        print(f"{spec.num_accepted - first[1]} of {spec.num_drafted - first[0]}")
     llm.shutdown()
     return out, len(steps), spec
 
@@ -41,3 +48,6 @@ print(f"drafted {spec.num_drafted} tokens, accepted {spec.num_accepted}")
 
 emulated, _, _ = run(speculative="ngram", cuda_graph_max_bs=4, speculative_always=True)
 print("with emulated verify graphs, same tokens:", emulated == plain)
+
+suffix, _, _ = run(speculative="suffix", num_draft_tokens=4, speculative_always=True)
+print("suffix drafts equal plain decoding:", suffix == plain)

@@ -13,7 +13,7 @@ from helpers import SMOL, TINY, hf_greedy, need
 
 from minisgl.core import Req, SamplingParams
 from minisgl.llm import LLM
-from minisgl.speculative.suffix import DEPTH, MIN_PROB, SuffixDrafter, SuffixTree
+from minisgl.speculative.suffix import DEPTH, MIN_PROB, ROOT, SuffixDrafter, SuffixTree
 
 pytestmark = pytest.mark.usefixtures("serial")  # from conftest.py
 
@@ -32,11 +32,11 @@ def substrings(seqs: list[list[int]], depth: int) -> Counter:
 
 def contents(tree: SuffixTree) -> Counter:
     out: Counter = Counter()
-    todo = [((), tree.root)]
+    todo = [((), ROOT)]
     while todo:
         path, node = todo.pop()
-        for token, child in node.children.items():
-            out[path + (token,)] = child.count
+        for token, child in tree.children[node].items():
+            out[path + (token,)] = tree.counts[child]
             todo.append((path + (token,), child))
     return out
 
@@ -45,10 +45,10 @@ def test_the_tree_counts_every_substring_up_to_its_depth_and_forgets_exactly() -
     rng = random.Random(0)
     seqs = [[rng.randrange(4) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
     tree = SuffixTree(depth=5)
-    ends = tree.extend([tree.root], seqs[0][:7])  # one sequence in two pieces
+    ends = tree.extend([ROOT], seqs[0][:7])  # one sequence in two pieces
     tree.extend(ends, seqs[0][7:])
     for s in seqs[1:]:
-        tree.extend([tree.root], s)
+        tree.extend([ROOT], s)
     want = substrings(seqs, 5)
     assert contents(tree) == want and tree.num_nodes == len(want)
     for s in seqs[:3]:
@@ -60,7 +60,7 @@ def test_the_tree_counts_every_substring_up_to_its_depth_and_forgets_exactly() -
 def test_drafts_follow_the_longest_match_and_their_length_follows_the_counts() -> None:
     tree = SuffixTree()
     story = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
-    tree.extend([tree.root], story)
+    tree.extend([ROOT], story)
     # A match of 3 tokens drafts at most 3, all likely (one occurrence, one way on).
     assert tree.draft([5, 11, 12, 13], 8) == ([14, 15, 16], 3.0)
     assert tree.draft([5, 6, 7], 8) == ([], 0.0)  # nothing matches
@@ -71,16 +71,16 @@ def test_drafts_follow_the_longest_match_and_their_length_follows_the_counts() -
     stem = [1, 2, 3, 4, 5, 6]
     for tail, times in [([7, 8, 9, 10, 11], 1), ([7, 8, 9, 12], 1), ([7, 8, 13], 2)]:
         for _ in range(times):
-            fork.extend([fork.root], stem + tail)
+            fork.extend([ROOT], stem + tail)
     for tail, times in [([7, 14], 4), ([15], 8)]:
         for _ in range(times):
-            fork.extend([fork.root], stem + tail)
+            fork.extend([ROOT], stem + tail)
     drafts, expected = fork.draft([0, *stem], 8)
     assert drafts == [7, 8, 9] and expected == pytest.approx(0.5 + 0.25 + 0.125)
     assert MIN_PROB > 0.125 * 0.5  # 10 or 12 after "7 8 9": a coin toss too many
     # Past the deepest level the match is found again, drafts included.
     long = list(range(100, 100 + 3 * DEPTH))
-    tree.extend([tree.root], long)
+    tree.extend([ROOT], long)
     assert tree.draft(long[:DEPTH], 3 * DEPTH)[0] == long[DEPTH : 2 * DEPTH - 1]
 
 

@@ -40,33 +40,36 @@ OWN_WINDOW = 4096  # a request's tree starts from its last tokens: its cost stay
 SHARED_TOKENS = 16384  # earlier outputs the shared tree holds; at most DEPTH nodes a token
 
 
-class Node:
-    __slots__ = ("children", "count")
-
-    def __init__(self) -> None:
-        self.count = 0  # occurrences of the substring this node ends
-        self.children: dict[int, Node] = {}
+ROOT = 0
 
 
 class SuffixTree:
-    """The substrings of up to `depth` tokens of every sequence added, with their counts."""
+    """The substrings of up to `depth` tokens of every sequence added, with their counts.
+
+    A node is a number: its children (token -> node) and its count live in two lists.
+    A tree holds up to DEPTH nodes per token; as objects of their own they made every full
+    pass of Python's garbage collector walk them all, and adding a token cost five times
+    more. Dicts of ints are not tracked by the collector, so these cost it nothing.
+    """
 
     def __init__(self, depth: int = DEPTH) -> None:
         self.depth = depth
-        self.root = Node()
-        self.num_nodes = 0
+        self.children: list[dict[int, int]] = [{}]  # node 0 is the root, the empty string
+        self.counts = [0]  # occurrences of the substring each node ends
+        self.unused: list[int] = []  # nodes taken out, to be used again
+        self.num_nodes = 0  # below the root
 
-    def extend(self, ends: list[Node], tokens: list[int]) -> list[Node]:
+    def extend(self, ends: list[int], tokens: list[int]) -> list[int]:
         """Add tokens to a sequence. `ends[i]` is the node of its suffix of i tokens
-        (`[self.root]` for a new sequence); returns the ends after the new tokens."""
+        (`[ROOT]` for a new sequence); returns the ends after the new tokens."""
+        children, counts = self.children, self.counts
         for token in tokens:
-            after = [self.root]
+            after = [ROOT]
             for node in ends:
-                child = node.children.get(token)
+                child = children[node].get(token)
                 if child is None:
-                    child = node.children[token] = Node()
-                    self.num_nodes += 1
-                child.count += 1
+                    child = children[node][token] = self._new()
+                counts[child] += 1
                 if len(after) < self.depth:  # a suffix of depth tokens extends no further
                     after.append(child)
             ends = after
@@ -74,40 +77,50 @@ class SuffixTree:
 
     def remove(self, tokens: list[int]) -> None:
         """Take out a sequence that was added whole: every count it added, and the nodes
-        only it had."""
-        ends = [self.root]
+        only it had (their own children go in the same walk)."""
+        children, counts = self.children, self.counts
+        ends = [ROOT]
         for token in tokens:
-            after = [self.root]
+            after = [ROOT]
             for node in ends:
-                child = node.children[token]
-                child.count -= 1
-                if child.count == 0:  # its subtree counted only this sequence too
-                    del node.children[token]
+                child = children[node][token]
+                counts[child] -= 1
+                if counts[child] == 0:
+                    del children[node][token]
+                    self.unused.append(child)
                     self.num_nodes -= 1
                 if len(after) < self.depth:
                     after.append(child)
             ends = after
 
-    def match(self, text: list[int]) -> tuple[int, Node]:
+    def _new(self) -> int:
+        self.num_nodes += 1
+        if self.unused:
+            return self.unused.pop()
+        self.children.append({})
+        self.counts.append(0)
+        return len(self.counts) - 1
+
+    def match(self, text: list[int]) -> tuple[int, int]:
         """The longest suffix of `text` (at most depth - 1 tokens) that occurred followed
-        by a token: its length and node; (0, root) if none. The longest is tried first
+        by a token: its length and node; (0, ROOT) if none. The longest is tried first
         (a text that copies, or a draft run past the deepest level, has it), then the
         lengths between, by bisection."""
-        best, lo, hi = (0, self.root), 1, min(self.depth - 1, len(text))
+        best, lo, hi = (0, ROOT), 1, min(self.depth - 1, len(text))
         mid = hi
         while lo <= hi:
             node = self.find(text[len(text) - mid :])
-            if node is not None and node.children:
+            if node is not None and self.children[node]:
                 best, lo = (mid, node), mid + 1
             else:
                 hi = mid - 1
             mid = (lo + hi) // 2
         return best
 
-    def find(self, tokens: list[int]) -> Node | None:
-        node: Node | None = self.root
+    def find(self, tokens: list[int]) -> int | None:
+        node: int | None = ROOT
         for token in tokens:
-            node = node.children.get(token)
+            node = self.children[node].get(token)
             if node is None:
                 return None
         return node
@@ -119,22 +132,23 @@ class SuffixTree:
         length, node = self.match(tail)
         if length < MIN_MATCH:
             return [], 0.0
+        counts = self.counts
         drafts: list[int] = []
         prob, expected = 1.0, 0.0
         while len(drafts) < min(k, length):
-            if not node.children:  # the deepest level: match again, the drafts included
+            if not self.children[node]:  # the deepest level: match again, drafts included
                 again, node = self.match(tail)
                 if again < MIN_MATCH:
                     break
-            total = sum(c.count for c in node.children.values())
-            token, child = max(node.children.items(), key=lambda item: item[1].count)
-            prob *= child.count / total
+            after = self.children[node]
+            token = max(after, key=lambda t: counts[after[t]])
+            prob *= counts[after[token]] / sum(counts[c] for c in after.values())
             if prob < MIN_PROB:
                 break
             drafts.append(token)
             tail.append(token)
             expected += prob
-            node = child
+            node = after[token]
         return drafts, expected
 
 
@@ -144,7 +158,7 @@ class Own:
 
     req: Req
     tree: SuffixTree = field(default_factory=SuffixTree)
-    ends: list[Node] = field(default_factory=list)
+    ends: list[int] = field(default_factory=lambda: [ROOT])
     read: int = 0  # tokens of req.input_ids added
 
 
@@ -182,7 +196,7 @@ class SuffixDrafter:
         start = max(0, req.prompt_len - (DEPTH - 1))
         tokens = req.input_ids[start:].tolist()[-self.capacity :]
         self._forget(req.uid)
-        self.shared.extend([self.shared.root], tokens)
+        self.shared.extend([ROOT], tokens)
         self.outputs[req.uid] = tokens
         self.held += len(tokens)
         while self.held > self.capacity:
@@ -200,7 +214,6 @@ class SuffixDrafter:
         own = self.own.get(req.uid)
         if own is None:
             own = self.own[req.uid] = Own(req)
-            own.ends = [own.tree.root]
             own.read = max(0, req.seq_len - OWN_WINDOW)
         if own.read < req.seq_len:
             own.ends = own.tree.extend(own.ends, req.input_ids[own.read :].tolist())
