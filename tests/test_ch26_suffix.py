@@ -55,6 +55,10 @@ def test_the_tree_counts_every_substring_up_to_its_depth_and_forgets_exactly() -
         tree.remove(s)
     want = substrings(seqs[3:], 5)
     assert contents(tree) == want and tree.num_nodes == len(want)
+    tree.extend([ROOT], seqs[0])  # into nodes taken out before
+    want = substrings([seqs[0], *seqs[3:]], 5)
+    assert contents(tree) == want and tree.num_nodes == len(want)
+    assert len(tree.counts) == 1 + tree.num_nodes + len(tree.unused)
 
 
 def test_drafts_follow_the_longest_match_and_their_length_follows_the_counts() -> None:
