@@ -7,7 +7,7 @@ field's default, so a default lives in one place, the config class.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from minisgl.attention.registry import backend_names
 from minisgl.quant.config import KV_CACHE_DTYPES  # [ch28]
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv_events import add_kv_events_options, kv_events_config  # [ch27]
+from minisgl.server.auth import add_auth_options, api_keys
 from minisgl.server.dp_args import Replicas, add_dp_options, check_dp_options  # [ch27]
 from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
 from minisgl.speculative.config import add_speculative_options  # [ch26]
@@ -47,6 +48,8 @@ class ServerArgs:
     worker_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
     replicas: Replicas | None = None  # --dp-size > 1: this process starts them  # [ch27]
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: every route is open
+    protect_metrics: bool = False
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -100,6 +103,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--port", type=int, default=1919)
     p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     p.add_argument("--log-level", default="INFO")
+    add_auth_options(p)
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -129,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     except ValueError as e:
         p.error(str(e))
     config.kv_events = kv_events_config(p, a)  # [ch27]
+    keys = api_keys(p, a)
     name = a.served_model_name or Path(a.model).resolve().name
     return ServerArgs(
         config,
@@ -141,5 +146,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         a.shutdown_timeout,
         a.worker_timeout,
         a.node_rank,  # [ch21]
-        check_dp_options(p, a),  # [ch27]
+        check_dp_options(p, a, len(keys)),  # [ch27]
+        api_keys=keys,
+        protect_metrics=a.protect_metrics,
     )

