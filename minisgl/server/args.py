@@ -32,6 +32,9 @@ _FIELDS = {f.name: f for f in fields(SchedulerConfig)}
 _PREFILL_GRAPHS = ["off", "breakable", "full"]  # [ch23]
 _PREFILL_HELP = "prefill CUDA graphs (default: breakable on CUDA, off on CPU)"  # [ch23]
 _FP8_HELP = "fp8: FP8 projections, a scale per row (an FP8 checkpoint loads without it)"  # [ch28]
+_GRAMMAR_HELP = (
+    "seconds a JSON schema may take to compile, off the step loop; beyond: a 400"  # [ch25]
+)
 _KV_HELP = "fp8_e4m3 (or fp8): keys and values stored in e4m3, twice the tokens"  # [ch28]
 
 
@@ -98,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("quantization", choices=["fp8"], help=_FP8_HELP)  # [ch28]
     p.config_option("kv_cache_dtype", choices=list(KV_CACHE_DTYPES), help=_KV_HELP)  # [ch28]
     p.config_option("max_prefill_length", type=int)
+    p.config_option("grammar_compile_timeout", type=float, help=_GRAMMAR_HELP)  # [ch25]
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=1919)
