@@ -24,6 +24,7 @@ from test_server import MODEL, Server, httpx, running
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
+from minisgl.server import limits
 
 TIMEOUT = 2  # --grammar-compile-timeout
 PLAIN_TOKENS = 32  # a plain request long enough that noise is a small part of its time
@@ -131,3 +132,40 @@ def test_tensor_parallel_ranks_admit_a_grammar_together():
     assert out[0]["finish_reason"] == "stop", out[0]
     assert json.loads(out[0]["text"])["c"] in ("red", "green"), out[0]["text"]
     assert len(out[1]["token_ids"]) == 4
+
+
+def tool(i: int, description: str = "") -> dict[str, Any]:
+    params = {"type": "object", "properties": {"q": {"type": "string"}}}
+    return {
+        "type": "function",
+        "function": {"name": f"f{i}", "description": description, "parameters": params},
+    }
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"tools": [tool(i) for i in range(limits.MAX_TOOLS + 1)]}, "tools", "at most 128"),
+        ({"tools": [tool(0, "x" * limits.MAX_SCHEMA_BYTES)]}, "tools", "the tools:"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {
+                        "name": "big",
+                        "schema": {"enum": ["x" * limits.MAX_SCHEMA_BYTES]},
+                    },
+                }
+            },
+            "response_format",
+            "more than the 262144 allowed",
+        ),
+    ],
+    ids=["tools", "tools-size", "schema-size"],
+)
+def test_tools_and_schemas_have_limits(server, extra, param, words):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2} | extra
+    r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err

@@ -12,6 +12,7 @@ stop reading or vanish. One live server (SmolLM2 on CPU) with two keys serves th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,18 +20,21 @@ import openai
 import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
-from test_server import MODEL, Server, httpx, running
+from test_server import CONTEXT, MODEL, Server, httpx, running
 
+from minisgl.server import limits
 from minisgl.server.auth import RequireKey
 
 KEYS = ("key-one-2c1f", "key-two-9b7e")
 WRONG = "key-one-2c1e"
+BODY_LIMIT = 64 << 10  # --max-request-bytes
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     log_dir = tmp_path_factory.mktemp("guards")
-    with running(log_dir, "--api-key", KEYS[0], "--api-key", KEYS[1]) as srv:
+    keys = ("--api-key", KEYS[0], "--api-key", KEYS[1])
+    with running(log_dir, *keys, "--max-request-bytes", str(BODY_LIMIT)) as srv:
         yield srv
 
 
@@ -142,3 +146,75 @@ def test_keys_come_from_flags_and_the_environment(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             parse_args(base + flags)
         assert message in capsys.readouterr().err
+
+
+# ---- limits -------------------------------------------------------------------------------
+
+
+def refusal(server: Server, body: dict[str, Any], path: str = "/v1/completions") -> dict:
+    r = httpx.post(server.base + path, json=body, headers=auth(KEYS[0]), timeout=60)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+COMPLETION = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    "extra, param, words",
+    [
+        ({"n": limits.MAX_N + 1}, "n", f"less than or equal to {limits.MAX_N}"),
+        ({"stop": ["a"] * (limits.MAX_STOPS + 1)}, "stop", f"at most {limits.MAX_STOPS} items"),
+        ({"stop": "x" * (limits.MAX_STOP_CHARS + 1)}, "stop", f"{limits.MAX_STOP_CHARS} char"),
+        (
+            {"logit_bias": {str(i): 1 for i in range(limits.MAX_LOGIT_BIAS + 1)}},
+            "logit_bias",
+            f"at most {limits.MAX_LOGIT_BIAS} items",
+        ),
+        ({"prompt": ["Hi"] * (limits.MAX_PROMPTS + 1)}, "prompt", f"at most {limits.MAX_PROMPTS}"),
+    ],
+    ids=["n", "stops", "stop-length", "logit-bias", "prompts"],
+)
+def test_each_limit_is_a_400_naming_it(server, extra, param, words):
+    err = refusal(server, COMPLETION | extra)
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_max_tokens_is_held_to_the_context(server):
+    prompt = [1000] * (CONTEXT - 3)
+    fits = COMPLETION | {"prompt": prompt, "max_tokens": 3}  # to the context's last token
+    r = httpx.post(server.base + "/v1/completions", json=fits, headers=auth(KEYS[0]), timeout=120)
+    assert r.status_code == 200, r.text
+    err = refusal(server, fits | {"max_tokens": 4})
+    assert err["code"] == "context_length_exceeded", err
+    assert f"{CONTEXT + 1} in all, more than this model's context of {CONTEXT}" in err["message"]
+    unlimited = {k: v for k, v in fits.items() if k != "max_tokens"}  # none: until the end
+    r = httpx.post(
+        server.base + "/v1/completions",
+        json=unlimited | {"max_tokens": None},
+        headers=auth(KEYS[0]),
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+
+
+def test_a_body_over_the_limit_is_a_413(server):
+    big = json.dumps(COMPLETION | {"prompt": "word " * BODY_LIMIT}).encode()
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted as it comes
+        for i in range(0, len(big), 4096):
+            yield big[i : i + 4096]
+
+    headers = auth(KEYS[0]) | {"Content-Type": "application/json"}
+    for content in (big, chunks()):
+        r = httpx.post(
+            server.base + "/v1/completions", content=content, headers=headers, timeout=60
+        )
+        assert r.status_code == 413, r.text
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and "--max-request-bytes" in err["message"]
+    small = json.dumps(COMPLETION).encode()
+    r = httpx.post(
+        server.base + "/v1/completions", content=iter([small]), headers=headers, timeout=60
+    )
+    assert r.status_code == 200, r.text

@@ -19,6 +19,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv_events import add_kv_events_options, kv_events_config  # [ch27]
 from minisgl.server.auth import add_auth_options, api_keys
 from minisgl.server.dp_args import Replicas, add_dp_options, check_dp_options  # [ch27]
+from minisgl.server.limits import LIMITS_HELP, add_limit_options
 from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
 from minisgl.speculative.config import add_speculative_options  # [ch26]
 
@@ -53,6 +54,7 @@ class ServerArgs:
     replicas: Replicas | None = None  # --dp-size > 1: this process starts them  # [ch27]
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: every route is open
     protect_metrics: bool = False
+    max_request_bytes: int = 0  # a larger body is refused (413)
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -76,7 +78,9 @@ class ConfigParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p = ConfigParser(
-        prog="python -m minisgl", description="Serve a model with an OpenAI-compatible API."
+        prog="python -m minisgl",
+        description="Serve a model with an OpenAI-compatible API.",
+        epilog=LIMITS_HELP,
     )
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
     p.add_argument("--dtype", choices=list(_DTYPES), default="auto")
@@ -108,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--served-model-name", default=None, help="default: the model folder's name")
     p.add_argument("--log-level", default="INFO")
     add_auth_options(p)
+    add_limit_options(p)
     p.add_argument(
         "--max-queued-requests",
         type=int,
@@ -130,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model: {a.model} is not a model folder (no config.json); try `make models`")
     check_tp_options(p, a)  # [ch21]
+    if a.max_request_bytes < 1:
+        p.error(f"--max-request-bytes takes a number >= 1, got {a.max_request_bytes}")
     if min(a.max_queued_requests, a.shutdown_timeout, a.worker_timeout) < 0:
         p.error("--max-queued-requests, --shutdown-timeout and --worker-timeout take a number >= 0")
     try:
@@ -153,4 +160,5 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         check_dp_options(p, a, len(keys)),  # [ch27]
         api_keys=keys,
         protect_metrics=a.protect_metrics,
+        max_request_bytes=a.max_request_bytes,
     )

@@ -13,12 +13,15 @@ import signal
 import sys
 
 import uvicorn
+from fastapi import FastAPI
 
 from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
 from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.auth import RequireKey
 from minisgl.server.frontend import Frontend
+from minisgl.server.limits import BodyLimit
+from minisgl.server.metrics import Metrics
 from minisgl.server.processes import ProcessTree
 from minisgl.server.replicas import serve_replicas  # [ch27]
 from minisgl.server.supervisor import Supervisor
@@ -42,11 +45,7 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         ready=lambda: server.ready(),
     )
     add_worker_routes(app, frontend, args, limits, tree.ipc_dir)  # what routers ask  # [ch27]
-    if args.api_keys:  # around every route, those above and any added later
-        refused = frontend.metrics.error_responses.labels("401").inc
-        app.add_middleware(
-            RequireKey, keys=args.api_keys, protect_metrics=args.protect_metrics, on_refusal=refused
-        )
+    _guard(app, args, frontend.metrics)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     timeouts = args.shutdown_timeout, args.worker_timeout
     server = Supervisor(config, frontend, tree.dead, *timeouts)
@@ -58,6 +57,19 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         receiver.cancel()
         watcher.cancel()
     return server.exit_code
+
+
+def _guard(app: FastAPI, args: ServerArgs, metrics: Metrics) -> None:
+    """Around every route, those above and any added later: the key first, then the body."""
+    refused = metrics.error_responses.labels
+    app.add_middleware(BodyLimit, limit=args.max_request_bytes, on_refusal=refused("413").inc)
+    if args.api_keys:  # the last added is the outermost: no body is read without a key
+        app.add_middleware(
+            RequireKey,
+            keys=args.api_keys,
+            protect_metrics=args.protect_metrics,
+            on_refusal=refused("401").inc,
+        )
 
 
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:
