@@ -12,15 +12,19 @@ stop reading or vanish. One live server (SmolLM2 on CPU) with two keys serves th
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
 import pytest
 from fastapi import FastAPI
 from starlette.testclient import TestClient
-from test_server import CONTEXT, MODEL, Server, httpx, running
+from test_server import CONTEXT, MODEL, Server, httpx, metrics, running, wait_idle
 
 from minisgl.server import limits
 from minisgl.server.auth import RequireKey
@@ -28,13 +32,15 @@ from minisgl.server.auth import RequireKey
 KEYS = ("key-one-2c1f", "key-two-9b7e")
 WRONG = "key-one-2c1e"
 BODY_LIMIT = 64 << 10  # --max-request-bytes
+CLIENT_TIMEOUT = 2  # --client-timeout
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     log_dir = tmp_path_factory.mktemp("guards")
     keys = ("--api-key", KEYS[0], "--api-key", KEYS[1])
-    with running(log_dir, *keys, "--max-request-bytes", str(BODY_LIMIT)) as srv:
+    bounds = ("--max-request-bytes", str(BODY_LIMIT), "--client-timeout", str(CLIENT_TIMEOUT))
+    with running(log_dir, *keys, *bounds) as srv:
         yield srv
 
 
@@ -218,3 +224,91 @@ def test_a_body_over_the_limit_is_a_413(server):
         server.base + "/v1/completions", content=iter([small]), headers=headers, timeout=60
     )
     assert r.status_code == 200, r.text
+
+
+# ---- clients that vanish or stall ---------------------------------------------------------
+
+
+def connect(server: Server, small_buffers: bool = False) -> socket.socket:
+    sock = socket.socket()
+    if small_buffers:  # before connecting: what the server's kernel sees of this client
+        # Segments of a real network's size: over loopback's 64 KiB ones, the server's kernel
+        # would take megabytes of a stream before its writes had to wait.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1400)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = server.base.removeprefix("http://").split(":")
+    sock.connect((host, int(port)))
+    sock.settimeout(60)
+    return sock
+
+
+def send_request(sock: socket.socket, path: str, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    head = f"POST {path} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+    head += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    sock.sendall(head.encode() + data)
+
+
+LONG_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}]}
+LONG_CHAT |= {"max_tokens": 200, "ignore_eos": True}
+
+
+def vanish_mid_stream(server: Server) -> None:
+    with connect(server) as sock:
+        send_request(sock, "/v1/chat/completions", LONG_CHAT | {"stream": True})
+        seen = b""
+        while seen.count(b"data:") < 3:  # the role, then tokens: it runs
+            seen += sock.recv(4096)
+
+
+def vanish_mid_request(server: Server) -> None:
+    with connect(server) as sock:
+        send_request(sock, "/v1/chat/completions", LONG_CHAT)
+        time.sleep(1.0)
+
+
+def stall(server: Server) -> socket.socket:
+    """A stream whose client reads nothing: the server's buffers fill, then it must cut."""
+    sock = connect(server, small_buffers=True)
+    big = {"stream": True, "logprobs": True, "top_logprobs": 20}  # about 2 KB per token
+    send_request(sock, "/v1/chat/completions", LONG_CHAT | big)
+    return sock
+
+
+def test_clients_that_vanish_or_stall_leave_nothing_held(server):
+    before = metrics(server)
+    started = time.monotonic()
+    with ThreadPoolExecutor(100) as pool:
+        stalled = [pool.submit(stall, server) for _ in range(10)]
+        vanished = [pool.submit(vanish_mid_stream, server) for _ in range(45)]
+        vanished += [pool.submit(vanish_mid_request, server) for _ in range(45)]
+        for f in vanished:
+            f.result()
+        sockets = [f.result() for f in stalled]
+    try:
+        after = wait_idle(server, timeout=60)
+        took = time.monotonic() - started
+        for name in ("num_requests_running", "num_requests_waiting", "kv_pages_used"):
+            assert after[f"minisgl:{name}"] == 0, (name, after)
+        assert after["minisgl:num_requests_open"] == 0, after
+        aborted = after["minisgl:aborted_requests_total"] - before["minisgl:aborted_requests_total"]
+        assert aborted == 100, after
+        log = server.log.read_text(errors="replace")
+        assert log.count(f"took over {CLIENT_TIMEOUT:g} s reading its answer") == 10
+        print(f"100 clients vanished or stalled: all ended, nothing held, {took:.1f} s")
+    finally:
+        for sock in sockets:
+            sock.close()
+    r = httpx.post(server.base + "/v1/completions", json=COMPLETION, headers=auth(KEYS[0]))
+    assert r.status_code == 200, r.text
+
+
+def test_a_client_too_slow_to_send_its_request_is_cut_off(server):
+    with connect(server) as silent, connect(server) as trickle:
+        trickle.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n")  # and no more
+        started = time.monotonic()
+        for sock in (silent, trickle):
+            with contextlib.suppress(ConnectionResetError):  # closed, or reset: cut off
+                assert sock.recv(1024) == b""
+        took = time.monotonic() - started
+    assert CLIENT_TIMEOUT - 0.5 < took < CLIENT_TIMEOUT + 3, took

@@ -55,6 +55,7 @@ class ServerArgs:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: every route is open
     protect_metrics: bool = False
     max_request_bytes: int = 0  # a larger body is refused (413)
+    client_timeout: float = 0.0  # to send a request, or to take a byte of the answer
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -135,8 +136,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model: {a.model} is not a model folder (no config.json); try `make models`")
     check_tp_options(p, a)  # [ch21]
-    if a.max_request_bytes < 1:
-        p.error(f"--max-request-bytes takes a number >= 1, got {a.max_request_bytes}")
+    if a.max_request_bytes < 1 or not a.client_timeout > 0:
+        p.error("--max-request-bytes takes a number >= 1, --client-timeout one > 0")
     if min(a.max_queued_requests, a.shutdown_timeout, a.worker_timeout) < 0:
         p.error("--max-queued-requests, --shutdown-timeout and --worker-timeout take a number >= 0")
     try:
@@ -161,4 +162,5 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         api_keys=keys,
         protect_metrics=a.protect_metrics,
         max_request_bytes=a.max_request_bytes,
+        client_timeout=a.client_timeout,
     )

@@ -53,6 +53,7 @@ class Frontend:
         self.queues: dict[int, asyncio.Queue] = {}
         self.uids = itertools.count()
         self.metrics = Metrics(kv_pages_total)
+        self.metrics.open_requests.set_function(lambda: len(self.queues))
         self.max_requests = max_requests  # running and queued together; beyond it, a 503
         self.refusal: APIError | None = None  # once set, every new request gets it
         self.failed = False  # every request was ended (`fail`): the workers may be gone

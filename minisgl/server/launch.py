@@ -19,6 +19,7 @@ from minisgl.scheduler.ranks import wait_for_ranks  # [ch21]
 from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.auth import RequireKey
+from minisgl.server.clients import KEEP_ALIVE_S, ClientTimeouts, WatchClients
 from minisgl.server.frontend import Frontend
 from minisgl.server.limits import BodyLimit
 from minisgl.server.metrics import Metrics
@@ -46,7 +47,14 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     )
     add_worker_routes(app, frontend, args, limits, tree.ipc_dir)  # what routers ask  # [ch27]
     _guard(app, args, frontend.metrics)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        http=ClientTimeouts.with_timeout(args.client_timeout),
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     timeouts = args.shutdown_timeout, args.worker_timeout
     server = Supervisor(config, frontend, tree.dead, *timeouts)
     receiver = asyncio.create_task(frontend.receive_forever())
@@ -60,8 +68,10 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
 
 
 def _guard(app: FastAPI, args: ServerArgs, metrics: Metrics) -> None:
-    """Around every route, those above and any added later: the key first, then the body."""
+    """Around every route, those above and any added later: the key first, then the body's
+    size, then a watch for a client that hangs up."""
     refused = metrics.error_responses.labels
+    app.add_middleware(WatchClients)
     app.add_middleware(BodyLimit, limit=args.max_request_bytes, on_refusal=refused("413").inc)
     if args.api_keys:  # the last added is the outermost: no body is read without a key
         app.add_middleware(

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: a 128k-token prompt is under 1 MiB of JSON
+CLIENT_TIMEOUT_S = 30.0  # --client-timeout: to send a request, or to take a byte of its answer
 MAX_PROMPTS = 256  # prompts in one /v1/completions request, and their choices (times n)
 MAX_N = 128  # choices of one prompt (OpenAI's)
 MAX_STOPS = 4  # stop strings (OpenAI's)
@@ -47,6 +48,13 @@ def add_limit_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=MAX_REQUEST_BYTES,
         help=f"a larger request body is refused with a 413 (default {MAX_REQUEST_BYTES >> 20} MiB)",
+    )
+    p.add_argument(
+        "--client-timeout",
+        type=float,
+        default=CLIENT_TIMEOUT_S,
+        help="seconds a client may take to send its request, or stall reading its answer,"
+        " before its connection is cut and its request ended (default %(default)s)",
     )
 
 
