@@ -53,7 +53,7 @@ class ProcessTree:
         level = self.args.log_level
         config = self.args.scheduler
         # >>> ch21 this machine's other ranks first: rank 0 cannot start until all have joined
-        config, ranks = start_followers(config, level, self.args.node_rank)
+        config, ranks = start_followers(config, level, self.args.node_rank, serving=True)
         self.procs += ranks
         if self.args.node_rank > 0:
             return  # a machine without rank 0 hosts ranks only: no tokenizer, no API
