@@ -12,6 +12,7 @@ stop reading or vanish. One live server (SmolLM2 on CPU) with two keys serves th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -22,12 +23,18 @@ from typing import Any
 
 import openai
 import pytest
+import zmq
 from fastapi import FastAPI
 from starlette.testclient import TestClient
 from test_server import CONTEXT, MODEL, Server, httpx, metrics, running, wait_idle
 
+from minisgl.core import SamplingParams
+from minisgl.message.frontend import AcceptedMsg, TokenizeMsg
+from minisgl.message.transport import Reader, Writer, address
 from minisgl.server import limits
 from minisgl.server.auth import RequireKey
+from minisgl.server.frontend import Frontend
+from minisgl.server.protocol import APIError
 
 KEYS = ("key-one-2c1f", "key-two-9b7e")
 WRONG = "key-one-2c1e"
@@ -224,6 +231,47 @@ def test_a_body_over_the_limit_is_a_413(server):
         server.base + "/v1/completions", content=iter([small]), headers=headers, timeout=60
     )
     assert r.status_code == 200, r.text
+
+
+def test_the_queue_is_bounded_by_the_prompt_tokens_it_holds(tmp_path):
+    """The front end with a stand-in for the tokenizer worker: it refuses a request once the
+    accepted ones hold the limit's worth of prompt tokens, and admits again when one ends."""
+
+    async def scenario() -> None:
+        frontend = Frontend(str(tmp_path), max_requests=10, max_tokens_held=1000)
+        ctx = zmq.Context()
+        tokenizer = Reader(ctx, address(tmp_path, "tokenizer"))
+        to_api = Writer(ctx, address(tmp_path, "api"))
+        receiver = asyncio.create_task(frontend.receive_forever())
+
+        def request() -> list[TokenizeMsg]:
+            return [TokenizeMsg(next(frontend.uids), SamplingParams(max_tokens=1), input_ids=[1])]
+
+        async def accepted(tokens: int) -> int:
+            msgs = request()
+            opened = asyncio.create_task(frontend.open(msgs))
+            msg = await asyncio.to_thread(tokenizer.recv, 5000)
+            to_api.send(AcceptedMsg(msg.uid, tokens))
+            _, prompt_tokens = await opened
+            assert prompt_tokens == tokens
+            return msgs[0].uid
+
+        try:
+            first = await accepted(600)
+            await accepted(600)  # 600 held: under the limit, so this one is let in
+            with pytest.raises(APIError) as refused:  # before it reaches the tokenizer
+                await frontend.open(request())
+            assert refused.value.status == 503 and refused.value.code == "queue_full"
+            assert "holds 1200 prompt tokens, its limit is 1000" in refused.value.message
+            await frontend.close([first], abort=False)
+            await accepted(300)
+            assert frontend.tokens_held == 900
+        finally:
+            receiver.cancel()
+            tokenizer.socket.close(linger=0)
+            to_api.socket.close(linger=0)
+
+    asyncio.run(scenario())
 
 
 # ---- clients that vanish or stall ---------------------------------------------------------

@@ -48,6 +48,7 @@ class ServerArgs:
     served_model_name: str
     log_level: str
     max_queued_requests: int
+    max_queued_tokens: int | None  # None: twice the KV cache's tokens
     shutdown_timeout: float
     worker_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
@@ -121,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         help="requests held beyond --max-running-requests; more get 503 (default 256)",
     )
     p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens held beyond what the KV cache holds; more get 503 (default: twice"
+        " the KV cache's tokens)",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=10.0,
@@ -138,8 +146,14 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     check_tp_options(p, a)  # [ch21]
     if a.max_request_bytes < 1 or not a.client_timeout > 0:
         p.error("--max-request-bytes takes a number >= 1, --client-timeout one > 0")
-    if min(a.max_queued_requests, a.shutdown_timeout, a.worker_timeout) < 0:
-        p.error("--max-queued-requests, --shutdown-timeout and --worker-timeout take a number >= 0")
+    if (
+        min(a.max_queued_requests, a.max_queued_tokens or 0, a.shutdown_timeout, a.worker_timeout)
+        < 0
+    ):
+        p.error(
+            "--max-queued-requests, --max-queued-tokens, --shutdown-timeout and"
+            " --worker-timeout take a number >= 0"
+        )
     try:
         config = SchedulerConfig(model_path=a.model, dtype=_DTYPES[a.dtype], **p.config(a))
     except ValueError as e:
@@ -155,6 +169,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         name,
         a.log_level.upper(),
         a.max_queued_requests,
+        a.max_queued_tokens,
         a.shutdown_timeout,
         a.worker_timeout,
         a.node_rank,  # [ch21]

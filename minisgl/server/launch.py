@@ -36,7 +36,11 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     limits = tree.limits
     assert limits is not None, "the scheduler reports its limits when it is ready"
     max_requests = limits.max_running_req + args.max_queued_requests
-    frontend = Frontend(tree.ipc_dir, limits.num_pages, max_requests)
+    queued_tokens = args.max_queued_tokens
+    if queued_tokens is None:  # what the pool can take in twice more, while it runs a full one
+        queued_tokens = 2 * limits.max_kv_tokens
+    max_tokens = limits.max_kv_tokens + queued_tokens
+    frontend = Frontend(tree.ipc_dir, limits.num_pages, max_requests, max_tokens)
     app = create_app(
         frontend,
         args.served_model_name,
