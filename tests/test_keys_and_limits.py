@@ -266,10 +266,12 @@ def test_the_queue_is_bounded_by_the_prompt_tokens_it_holds(tmp_path):
             await frontend.close([first], abort=False)
             await accepted(300)
             assert frontend.tokens_held == 900
-        finally:
+        finally:  # every socket closed: a context collected with one open hangs in term()
             receiver.cancel()
-            tokenizer.socket.close(linger=0)
-            to_api.socket.close(linger=0)
+            await asyncio.gather(receiver, return_exceptions=True)
+            for sock in (tokenizer, to_api, frontend.inbox, frontend.to_tokenizer):
+                sock.socket.close(linger=0)
+            ctx.term()
 
     asyncio.run(scenario())
 
