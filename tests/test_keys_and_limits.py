@@ -71,7 +71,7 @@ def routes(server: Server) -> list[tuple[str, str]]:
 def test_every_route_needs_a_key(server):
     open_paths = {"/health", "/ready", "/metrics"}
     protected = [(m, p) for m, p in routes(server) if p not in open_paths]
-    assert len(protected) >= 8, protected
+    assert len(protected) >= 6, protected  # chapter 16 has six; later chapters add more
     with httpx.Client(base_url=server.base, timeout=30) as http:
         for method, path in protected:
             for headers in ({}, auth(WRONG), {"Authorization": KEYS[0]}):

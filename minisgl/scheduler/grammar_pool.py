@@ -225,24 +225,25 @@ class _Worker:
         while (job := self.pool.queue.get()) is not None:
             if job.done.is_set():  # cancelled while it queued
                 continue
-            try:
-                reply = self._compile(job)
-            except (OSError, EOFError) as e:  # the process died, or was killed
-                job.finish(
-                    error=f"the grammar compiler exited ({self._end()}) compiling the schema"
-                )
-                logger.warning("a grammar worker ended: %s", e)
-                continue
-            finally:
-                with self.lock:
-                    self.running = None
-            try:
-                job.finish(**self._read_back(reply))
-            except Exception as e:  # a grammar that does not read back fails its request only
-                logger.exception("a compiled grammar could not be read back")
-                job.finish(error=f"the compiled grammar could not be read back: {e}")
+            job.finish(**self._run(job))
             with self.pool.settled:
                 self.pool.settled.notify_all()
+
+    def _run(self, job: _Job) -> dict[str, Any]:
+        """The job's grammar or why there is none, as `_Job.finish` takes them."""
+        try:
+            reply = self._compile(job)
+        except (OSError, EOFError) as e:  # the process died, or was killed
+            logger.warning("a grammar worker ended: %s", e)
+            return {"error": f"the grammar compiler exited ({self._end()}) compiling the schema"}
+        finally:
+            with self.lock:
+                self.running = None
+        try:
+            return self._read_back(reply)
+        except Exception as e:  # a grammar that does not read back fails its request only
+            logger.exception("a compiled grammar could not be read back")
+            return {"error": f"the compiled grammar could not be read back: {e}"}
 
     def _read_back(self, reply: bytes) -> dict[str, Any]:
         if reply[:1] == b"E":
