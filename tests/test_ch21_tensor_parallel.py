@@ -269,7 +269,7 @@ def greedy_offline(model: Path, prompt: str, n: int) -> list[int]:
         llm.shutdown()
 
 
-def test_tp2_server_serves_the_openai_client_and_sigterm_stops_every_rank(tmp_path: Path) -> None:
+def test_tp2_server_serves_the_openai_client_and_drains_on_sigterm(tmp_path: Path) -> None:
     model = need(TINY["llama"])
     log = tmp_path / "server.log"
     server = launch(log, model, "--tp-size", "2")
@@ -290,8 +290,15 @@ def test_tp2_server_serves_the_openai_client_and_sigterm_stops_every_rank(tmp_pa
         assert reply.usage.completion_tokens == 5
         assert reply.choices[0].text == streamed
         assert reply.choices[0].text == Tokenizer(str(model)).decode(want)
-        os.kill(server.pid, signal.SIGTERM)
-        server.wait(15)
+        # SIGTERM to every process, as systemd sends it: the running request still finishes.
+        body = dict(model=model.name, prompt="Hello there", max_tokens=60, stream=True)
+        chunks = client.completions.create(**body, extra_body={"ignore_eos": True})
+        first = next(iter(chunks))
+        os.killpg(server.pid, signal.SIGTERM)
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length", rest[-1]
+        assert 1 + sum(1 for c in rest if c.choices[0].text) >= 59, (first, rest)
+        assert server.wait(15) == 0, log.read_text()[-3000:]
         assert gone(pids, 10), f"left after SIGTERM: {[p for p in pids if alive(p)]}"
     finally:
         end(server)

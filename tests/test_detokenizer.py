@@ -19,7 +19,7 @@ import zmq
 from helpers import SMOL, need
 
 from minisgl.core import SamplingParams
-from minisgl.engine.limits import EngineLimits
+from minisgl.engine.limits import UNLIMITED, EngineLimits
 from minisgl.message.backend import (
     AbortMsg,
     SchedulerOutput,
@@ -185,6 +185,7 @@ def test_special_tokens(tok, skip):
 
 # ---- the worker ---------------------------------------------------------------------------
 
+FREE = SamplingParams(max_tokens=UNLIMITED)  # as the API sends a request without max_tokens
 LIMITS = EngineLimits(
     max_seq_len=40, num_pages=25, page_size=4, max_running_req=8, vocab_size=49152
 )
@@ -225,7 +226,7 @@ def test_worker_accepts_what_fits(worker):
     w, pipes = worker
     prompts = [[1], list(range(LIMITS.max_seq_len - 1)), [0, LIMITS.vocab_size - 1]]
     for uid, ids in enumerate(prompts):
-        w.handle_api(TokenizeMsg(uid, SamplingParams(), input_ids=ids))
+        w.handle_api(TokenizeMsg(uid, FREE, input_ids=ids))
     assert pipes.take(pipes.api, 3) == [AcceptedMsg(i, len(ids)) for i, ids in enumerate(prompts)]
     pipes.take(pipes.scheduler, 3)
 
@@ -252,7 +253,7 @@ def test_worker_refuses_with_the_schedulers_words(tmp_path, limits, ids, code):
     pipes = Pipes(tmp_path)
     w = TokenizerWorker(str(need(SMOL)), str(tmp_path), limits)
     try:
-        w.handle_api(TokenizeMsg(3, SamplingParams(), input_ids=ids))
+        w.handle_api(TokenizeMsg(3, FREE, input_ids=ids))
         with pytest.raises(ValueError) as e:
             limits.check_prompt(ids)
         assert pipes.take(pipes.api, 1) == [RejectedMsg(3, str(e.value), code)]
@@ -261,6 +262,18 @@ def test_worker_refuses_with_the_schedulers_words(tmp_path, limits, ids, code):
         for r in (w.from_api, w.from_scheduler, w.to_api, w.to_scheduler):
             r.socket.close(linger=0)
         pipes.close()
+
+
+def test_worker_holds_max_tokens_to_the_context(worker):
+    w, pipes = worker
+    room = LIMITS.max_seq_len - 2
+    w.handle_api(TokenizeMsg(1, SamplingParams(max_tokens=room), input_ids=[1, 2]))
+    w.handle_api(TokenizeMsg(2, SamplingParams(max_tokens=room + 1), input_ids=[1, 2]))
+    accepted, refused = pipes.take(pipes.api, 2)
+    assert accepted == AcceptedMsg(1, 2)
+    assert refused.uid == 2 and refused.code == "context_length_exceeded", refused
+    assert "lower max_tokens" in refused.message
+    pipes.take(pipes.scheduler, 1)
 
 
 def test_worker_accepts_a_prompt_and_forwards_the_tokens(worker, tok):
@@ -278,11 +291,11 @@ def test_worker_accepts_a_prompt_and_forwards_the_tokens(worker, tok):
 @pytest.mark.parametrize(
     "msg",
     [
-        TokenizeMsg(1, SamplingParams(), prompt=""),
-        TokenizeMsg(1, SamplingParams(), input_ids=[]),
-        TokenizeMsg(1, SamplingParams(), prompt="word " * 60),
-        TokenizeMsg(1, SamplingParams(), input_ids=[10**6]),
-        TokenizeMsg(1, SamplingParams(), messages=[{"role": "tool", "content": "x"}] * 40),
+        TokenizeMsg(1, FREE, prompt=""),
+        TokenizeMsg(1, FREE, input_ids=[]),
+        TokenizeMsg(1, FREE, prompt="word " * 60),
+        TokenizeMsg(1, FREE, input_ids=[10**6]),
+        TokenizeMsg(1, FREE, messages=[{"role": "tool", "content": "x"}] * 40),
     ],
     ids=["empty", "empty-ids", "too-long", "outside-vocab", "too-long-chat"],
 )
@@ -308,7 +321,7 @@ def tokens_out(w: TokenizerWorker, uid: int, ids: list[int], last: str | None) -
 
 def test_worker_turns_tokens_into_deltas(worker, tok):
     w, pipes = worker
-    w.handle_api(TokenizeMsg(4, SamplingParams(logprobs=True), prompt="Hi"))
+    w.handle_api(TokenizeMsg(4, SamplingParams(logprobs=True, max_tokens=UNLIMITED), prompt="Hi"))
     pipes.take(pipes.api, 1)
     pipes.take(pipes.scheduler, 1)
     ids = tok.encode(" café 😀", add_special_tokens=False)
@@ -329,7 +342,7 @@ def test_worker_turns_tokens_into_deltas(worker, tok):
 
 def test_worker_ends_a_request_at_its_stop_string(worker, tok):
     w, pipes = worker
-    w.handle_api(TokenizeMsg(5, SamplingParams(), prompt="The capital of France is", stop=["."]))
+    w.handle_api(TokenizeMsg(5, FREE, prompt="The capital of France is", stop=["."]))
     pipes.take(pipes.api, 1)
     pipes.take(pipes.scheduler, 1)
     ids = tok.encode(" Paris. It is", add_special_tokens=False)  # " Paris", ".", ...
@@ -363,7 +376,7 @@ def test_worker_forwards_aborts_of_live_requests_only(worker):
     w, pipes = worker
     w.handle_api(AbortMsg(99))  # unknown: nothing to stop
     assert pipes.scheduler.recv(timeout_ms=100) is None
-    w.handle_api(TokenizeMsg(7, SamplingParams(), prompt="Hi"))
+    w.handle_api(TokenizeMsg(7, FREE, prompt="Hi"))
     pipes.take(pipes.api, 1)
     pipes.take(pipes.scheduler, 1)
     w.handle_api(AbortMsg(7))
@@ -374,7 +387,7 @@ def test_worker_forwards_aborts_of_live_requests_only(worker):
 
 def test_worker_passes_on_a_scheduler_refusal(worker):
     w, pipes = worker
-    w.handle_api(TokenizeMsg(8, SamplingParams(), prompt="Hi"))
+    w.handle_api(TokenizeMsg(8, FREE, prompt="Hi"))
     pipes.take(pipes.api, 1)
     pipes.take(pipes.scheduler, 1)
     refusal = TokenMsg(8, -1, True, None, 0, error="no room")

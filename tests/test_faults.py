@@ -22,6 +22,7 @@ import openai
 import pytest
 from helpers import SMOL, need
 from test_server import (
+    CONTEXT,
     MODEL,
     Server,
     descendants,
@@ -40,7 +41,7 @@ from minisgl.message.frontend import RejectedMsg, TokenizeMsg
 from minisgl.tokenizer.worker import TokenizerWorker
 
 PROMPT = "The capital of France is"
-LONG = 400  # tokens: a request that is still running when the fault comes
+LONG = CONTEXT - 16  # tokens: a request that is still running when the fault comes
 SHORT = 8
 STUCK_AFTER = 3  # --worker-timeout of the server whose scheduler stops
 DRAIN = 5  # --shutdown-timeout of the server that gets SIGTERM
@@ -228,7 +229,7 @@ def test_sigterm_drains_running_requests_then_exits_0(servers):
 
     async def scenario() -> tuple[list[tuple[str, float]], float]:
         short = asyncio.create_task(complete(api, SHORT, stream=False))
-        long = asyncio.create_task(complete(api, 4000, stream=True))  # past --shutdown-timeout
+        long = asyncio.create_task(complete(api, LONG, stream=True))  # past --shutdown-timeout
         await asyncio.to_thread(running, server, 2)
         sent = time.monotonic()
         # To the whole process group, as systemd sends it to every process of a service:
@@ -269,8 +270,8 @@ def test_a_bug_in_one_request_fails_it_with_a_500_and_the_worker_goes_on(tmp_pat
         return encode(text, **kw)
 
     monkeypatch.setattr(worker.tokenizer, "encode", buggy)
-    worker.handle_api(TokenizeMsg(1, SamplingParams(), prompt="boom"))
-    worker.handle_api(TokenizeMsg(2, SamplingParams(), prompt=PROMPT))
+    worker.handle_api(TokenizeMsg(1, SamplingParams(max_tokens=SHORT), prompt="boom"))
+    worker.handle_api(TokenizeMsg(2, SamplingParams(max_tokens=SHORT), prompt=PROMPT))
     assert isinstance(sent[0], RejectedMsg) and sent[0].status == 500, sent
     assert "KeyError" in sent[0].message
     assert [type(m).__name__ for m in sent[1:]] == ["AcceptedMsg", "UserMsg"]

@@ -37,6 +37,8 @@ from minisgl.server.args import parse_args
 from minisgl.server.replicas import gpu_sets
 
 MODEL = TINY["llama"]
+KEY = "replica-key-5e3a"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 @pytest.fixture
@@ -56,6 +58,7 @@ def test_the_command_line_refuses_what_replicas_cannot_do(capsys, monkeypatch, r
         "--dp-size takes a number >= 1": ["--dp-size", "0"],
         "--shell chats with one server": ["--dp-size", "2", "--shell"],
         "for replicas on several": ["--dp-size", "2", "--dist-init-addr", "host:29500"],
+        "accepts one API key": ["--dp-size", "2", "--api-key", "k1", "--api-key", "k2"],
     }
     for message, flags in wrong.items():
         with pytest.raises(SystemExit):
@@ -104,13 +107,19 @@ def replica_urls(p: Proc) -> list[str]:
 
 
 def test_one_command_serves_two_replicas_and_sigterm_stops_every_process(tmp_path):
-    p = replica_set(tmp_path, "--router-policy", "round_robin")
+    p = replica_set(tmp_path, "--router-policy", "round_robin", "--api-key", KEY)
     try:
+        # The router asked the replicas who they are with the key: it knows the model's name.
         models = httpx.get(p.base + "/v1/models", timeout=10).json()["data"]
         assert [m["id"] for m in models] == [MODEL.name]
+        body = {"model": MODEL.name, "prompt": "Hello", "max_tokens": 3}
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.post(p.base + "/v1/completions", json=body, headers=headers, timeout=60)
+            assert r.status_code == 401, r.text
         for i in range(4):
             body = {"model": MODEL.name, "prompt": f"Hello {i}", "max_tokens": 3}
-            assert httpx.post(p.base + "/v1/completions", json=body, timeout=60).status_code == 200
+            r = httpx.post(p.base + "/v1/completions", json=body, headers=AUTH, timeout=60)
+            assert r.status_code == 200, r.text
         served = [
             httpx.get(url + "/metrics", timeout=10).text.count("minisgl:requests_total 2.0")
             for url in replica_urls(p)
@@ -121,6 +130,7 @@ def test_one_command_serves_two_replicas_and_sigterm_stops_every_process(tmp_pat
         p.proc.send_signal(signal.SIGTERM)
         assert p.proc.wait(30) == 0
         assert wait_gone(tree, 10) == [], "processes outlived the launcher"
+        assert KEY not in p.log.read_text()
     finally:
         stop(p)
 

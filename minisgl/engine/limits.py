@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
+UNLIMITED = 1 << 30  # a max_tokens this large means: until EOS or the end of the context
+
 
 class PromptTooLong(ValueError):
     """The prompt does not fit the context or the KV cache."""
@@ -50,8 +52,9 @@ class EngineLimits:
         (beyond it, even running alone, it could never get another page)."""
         return min(self.max_seq_len, self.max_kv_tokens)
 
-    def check_prompt(self, ids: Sequence[int]) -> None:
-        """Raise ValueError (PromptTooLong if it is too long) for a prompt that can never run."""
+    def check_prompt(self, ids: Sequence[int], max_tokens: int = UNLIMITED) -> None:
+        """Raise ValueError (PromptTooLong if it is too long) for a prompt that can never run,
+        or (with a `max_tokens` short of UNLIMITED: the API's) never run to its end."""
         n = len(ids)
         if n == 0:
             raise ValueError("the prompt is empty")
@@ -68,6 +71,12 @@ class EngineLimits:
         if not all(0 <= t < self.vocab_size for t in ids):
             raise ValueError(
                 f"the prompt has token ids outside the vocabulary [0, {self.vocab_size})"
+            )
+        if max_tokens < UNLIMITED and n + max_tokens > self.max_seq_len:
+            raise PromptTooLong(
+                f"the prompt has {n} tokens and max_tokens is {max_tokens}: {n + max_tokens} in"
+                f" all, more than this model's context of {self.max_seq_len} tokens; lower"
+                " max_tokens, or leave it out to generate until the context ends"
             )
 
     def to_dict(self) -> dict[str, int]:

@@ -58,6 +58,7 @@ class LLM:
         for i, msg in enumerate(msgs):  # check them all before any starts: all or nothing
             try:
                 self.scheduler.validate(msg)
+                self.scheduler.grammar_pool.compile_now(msg.sampling_params)  # [ch25]
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         msgs = share_messages(msgs)  # the other ranks add them too, and step  # [ch21]
@@ -71,6 +72,10 @@ class LLM:
         remaining = len(msgs)
         while remaining:
             for out in self.scheduler.step():
+                # >>> ch25 a grammar that compiled above, forgotten and compiled again, failed
+                if out.error is not None:
+                    raise ValueError(out.error)
+                # <<< ch25
                 result = results[out.uid]
                 result["token_ids"].append(out.token)
                 result["cached_tokens"] = out.cached_tokens

@@ -11,8 +11,9 @@ The mask for a step needs the token of the step before. With overlap scheduling 
 sees that token only after it has launched the next step, so a batch with a grammar in it
 runs in two halves: the model's forward is launched first, the host then processes the
 previous step (its tokens go into the matchers) and fills this step's masks while the
-device computes, and only then is the step sampled. Compiling, filling and accepting all
-happen on the host; the device sees one small bit tensor per step.
+device computes, and only then is the step sampled. Filling and accepting happen on the
+host; the device sees one small bit tensor per step. Compiling, which can take from a
+millisecond to minutes, happens in worker processes, off the step loop (grammar_pool.py).
 
 xgrammar, with the transformers it imports, takes seconds to load, so it is loaded when
 the first request with a schema arrives, not at start-up.
@@ -50,16 +51,16 @@ class Grammars:
         self.matchers: dict[int, xgrammar.GrammarMatcher] = {}
 
     def check(self, params: SamplingParams) -> None:
-        """Raise ValueError if the request's logit bias or JSON schema cannot be used."""
+        """Raise ValueError if the request's logit bias cannot be used (its JSON schema is
+        compiled apart, off the step loop: grammar_pool.py)."""
         if not all(0 <= t < self.vocab_size for t in params.logit_bias):
             raise ValueError(
                 f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size})"
             )
-        if params.json_schema is not None:
-            self.compile(params.json_schema)  # compiled once; ValueError if unusable
 
     def compile(self, json_schema: str) -> xgrammar.CompiledGrammar:
-        """The schema's grammar (compiled once per schema); ValueError if it cannot be used."""
+        """The schema's grammar; ValueError if it cannot be used. It may take minutes: the
+        scheduler has it done by a worker process (grammar_pool.py)."""
         compiler = self._compiler or self._load()
         try:
             # Whitespace fixed to JSON's usual: a small model left free to choose it may
@@ -69,12 +70,11 @@ class Grammars:
             reason = str(e).strip().splitlines()[0].split(": ", 1)[-1]
             raise ValueError(f"the JSON schema cannot be used: {reason}") from None
 
-    def add(self, uid: int, params: SamplingParams) -> None:
-        """A matcher for the request, if it has a JSON schema."""
-        if params.json_schema is not None:
-            import xgrammar
+    def add(self, uid: int, grammar: xgrammar.CompiledGrammar) -> None:
+        """A matcher for the request, which has a JSON schema, once its grammar is compiled."""
+        import xgrammar
 
-            self.matchers[uid] = xgrammar.GrammarMatcher(self.compile(params.json_schema))
+        self.matchers[uid] = xgrammar.GrammarMatcher(grammar)
 
     def remove(self, uid: int) -> None:
         self.matchers.pop(uid, None)
@@ -122,6 +122,7 @@ class Grammars:
         info = xgrammar.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids or None
         )
-        self._compiler = xgrammar.GrammarCompiler(info)
+        # Not cached here: the scheduler keeps what it compiled, and knows when to forget it.
+        self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
         logger.info("grammar compiler ready in %.1fs", time.perf_counter() - start)
         return self._compiler

@@ -68,11 +68,15 @@ def follow(scheduler: Scheduler) -> None:
             scheduler.step()
 
 
-def run_follower(config: SchedulerConfig, log_level: str, started: Event) -> None:
+def run_follower(
+    config: SchedulerConfig, log_level: str, started: Event, serving: bool = False
+) -> None:
     """A process of its own for rank `config.tp_rank` (> 0), until rank 0 stops it."""
     started.set()  # it got past importing the parent's main module: see wait_started
     setproctitle(f"minisgl::scheduler-{config.tp_rank}")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for whoever started us
+    if serving:  # so is SIGTERM, which systemd sends to every process: the server drains,
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # and this rank steps with rank 0
     logging.basicConfig(
         level=log_level, format=f"%(asctime)s rank {config.tp_rank} %(levelname)s %(message)s"
     )
@@ -84,9 +88,13 @@ def run_follower(config: SchedulerConfig, log_level: str, started: Event) -> Non
 
 
 def start_followers(
-    config: SchedulerConfig, log_level: str = "WARNING", node_rank: int = 0
+    config: SchedulerConfig, log_level: str = "WARNING", node_rank: int = 0, serving: bool = False
 ) -> tuple[SchedulerConfig, list[BaseProcess]]:
     """Start this machine's ranks other than 0; the config every rank shares comes back.
+
+    A server's ranks (`serving`) ignore SIGTERM, as its other workers do, and are killed by
+    the launcher once it has drained; the offline LLM's die of it, as its own process does
+    (and multiprocessing sends it to them when that process exits).
 
     The model is checked to split over `tp_size` ranks before any starts. Ranks are
     numbered across machines, `tp_size // nnodes` on each, rank 0 on node 0; a run on
@@ -107,7 +115,7 @@ def start_followers(
         started.append(spawn.Event())
         proc = spawn.Process(
             target=run_follower,
-            args=(replace(config, tp_rank=rank), log_level, started[-1]),
+            args=(replace(config, tp_rank=rank), log_level, started[-1], serving),
             name=f"minisgl-scheduler-{rank}",
             daemon=True,
         )

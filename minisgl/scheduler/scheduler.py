@@ -31,6 +31,7 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
+from minisgl.scheduler.grammar_pool import GrammarPool  # [ch25]
 from minisgl.scheduler.kv_events import publishes_kv_events, start_kv_events  # [ch27]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
 from minisgl.scheduler.observe import StepLog  # [ch30]
@@ -67,6 +68,7 @@ class Scheduler:
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
         self.num_preemptions = 0
         self.grammars = Grammars(config.model_path, limits.vocab_size, eos_token_ids)  # [ch25]
+        self.grammar_pool = GrammarPool(self.grammars, config.grammar_compile_timeout)  # [ch25]
         self.logprobs = LogprobCollector()  # [ch25]
         self.spec = Speculator(self, config)  # [ch26]
         self.kv_events = start_kv_events(config, self.cache, engine.device)  # [ch27]
@@ -96,8 +98,10 @@ class Scheduler:
         self.validate(msg)
         max_len = min(len(msg.input_ids) + msg.sampling_params.max_tokens, self.limits.max_req_len)
         ids = torch.tensor(msg.input_ids, dtype=torch.int32)
-        self.prefill.add(PendingReq(msg.uid, ids, msg.sampling_params, max_len, len(ids)))
-        self.grammars.add(msg.uid, msg.sampling_params)  # [ch25]
+        pending = PendingReq(msg.uid, ids, msg.sampling_params, max_len, len(ids))
+        if self.grammar_pool.hold(pending):  # it queues once its grammar is in  # [ch25]
+            return  # [ch25]
+        self.prefill.add(pending)
 
     @publishes_kv_events  # a finished request's pages are cached  # [ch27]
     def abort(self, msg: AbortMsg) -> None:
@@ -105,18 +109,22 @@ class Scheduler:
             if pending.uid == msg.uid:
                 self.prefill.pending.remove(pending)
                 self.grammars.remove(msg.uid)  # [ch25]
+        self.grammar_pool.drop(msg.uid)  # [ch25]
         req = self.reqs.get(msg.uid)
         if req is not None:
             self._finish(req)
 
     @property
     def has_work(self) -> bool:
+        if self.grammar_pool.waiting:  # [ch25]
+            return True  # [ch25]
         return self.prefill.has_work or self.decode.has_work or self._in_flight is not None
 
     # ---- one step -------------------------------------------------------------------------
 
     @publishes_kv_events  # one message per step  # [ch27]
     def step(self) -> list[TokenMsg]:
+        self._drained += self._admit_compiled()  # [ch25]
         batch = self._schedule()
         messages, self._drained = self._drained, []
         if batch is not None and (verified := self.spec.try_step(batch)) is not None:  # [ch26]
@@ -133,6 +141,20 @@ class Scheduler:
         # <<< ch12
         return messages + (self._process(launched) if launched else [])
 
+    # >>> ch25
+    def _admit_compiled(self) -> list[TokenMsg]:
+        """Requests whose grammar is in join the queue; those whose grammar failed are refused."""
+        idle = not (self.prefill.has_work or self.decode.has_work or self._in_flight)
+        refused = []
+        for pending, grammar, error in self.grammar_pool.admit(idle):
+            if grammar is None:
+                refused.append(TokenMsg(pending.uid, -1, True, None, 0, error=error))
+            else:
+                self.prefill.add(pending)
+                self.grammars.add(pending.uid, grammar)
+        return refused
+
+    # <<< ch25
     def _schedule(self) -> Batch | None:
         reserve = len(self.decode.running)
         if self.prefill.has_work and (scheduled := self.prefill.schedule(reserve)) is not None:
@@ -262,6 +284,7 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._drain()
+        self.grammar_pool.shutdown()  # [ch25]
         self.spec.shutdown()  # [ch26]
         if self.kv_events is not None:  # [ch27]
             self.kv_events.close()  # [ch27]

@@ -7,7 +7,7 @@ field's default, so a default lives in one place, the config class.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,9 @@ from minisgl.engine.config import DTYPES
 from minisgl.quant.config import KV_CACHE_DTYPES  # [ch28]
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv_events import add_kv_events_options, kv_events_config  # [ch27]
+from minisgl.server.auth import add_auth_options, api_keys
 from minisgl.server.dp_args import Replicas, add_dp_options, check_dp_options  # [ch27]
+from minisgl.server.limits import LIMITS_HELP, add_limit_options
 from minisgl.server.tp_args import add_tp_options, check_tp_options  # [ch21]
 from minisgl.speculative.config import add_speculative_options  # [ch26]
 
@@ -24,6 +26,9 @@ _FIELDS = {f.name: f for f in fields(SchedulerConfig)}
 _PREFILL_GRAPHS = ["off", "breakable", "full"]  # [ch23]
 _PREFILL_HELP = "prefill CUDA graphs (default: breakable on CUDA, off on CPU)"  # [ch23]
 _FP8_HELP = "fp8: FP8 projections, a scale per row (an FP8 checkpoint loads without it)"  # [ch28]
+_GRAMMAR_HELP = (
+    "seconds a JSON schema may take to compile, off the step loop; beyond: a 400"  # [ch25]
+)
 _KV_HELP = "fp8_e4m3 (or fp8): keys and values stored in e4m3, twice the tokens"  # [ch28]
 _TEXT_HELP = "/dashboard shows prompts and outputs as text (default: token counts only)"  # [ch30]
 
@@ -37,12 +42,17 @@ class ServerArgs:
     served_model_name: str
     log_level: str
     max_queued_requests: int
+    max_queued_tokens: int | None  # None: twice the KV cache's tokens
     shutdown_timeout: float
     worker_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
     replicas: Replicas | None = None  # --dp-size > 1: this process starts them  # [ch27]
     dashboard: bool = True  # GET /dashboard and its routes  # [ch30]
     dashboard_text: bool = False  # the page shows prompts and outputs as text  # [ch30]
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: every route is open
+    protect_metrics: bool = False
+    max_request_bytes: int = 0  # a larger body is refused (413)
+    client_timeout: float = 0.0  # to send a request, or to take a byte of the answer
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -66,7 +76,9 @@ class ConfigParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p = ConfigParser(
-        prog="python -m minisgl", description="Serve a model with an OpenAI-compatible API."
+        prog="python -m minisgl",
+        description="Serve a model with an OpenAI-compatible API.",
+        epilog=LIMITS_HELP,
     )
     p.add_argument("--model", required=True, help="a Hugging Face model folder")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto")
@@ -94,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("quantization", choices=["fp8"], help=_FP8_HELP)  # [ch28]
     p.config_option("kv_cache_dtype", choices=list(KV_CACHE_DTYPES), help=_KV_HELP)  # [ch28]
     p.config_option("max_prefill_length", type=int)
+    p.config_option("grammar_compile_timeout", type=float, help=_GRAMMAR_HELP)  # [ch25]
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=1919)
@@ -101,11 +114,20 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--no-dashboard", action="store_true", help="no /dashboard routes")  # [ch30]
     p.add_argument("--dashboard-text", action="store_true", help=_TEXT_HELP)  # [ch30]
+    add_auth_options(p)
+    add_limit_options(p)
     p.add_argument(
         "--max-queued-requests",
         type=int,
         default=256,
         help="requests held beyond --max-running-requests; more get 503 (default 256)",
+    )
+    p.add_argument(
+        "--max-queued-tokens",
+        type=int,
+        default=None,
+        help="prompt tokens held beyond what the KV cache holds; more get 503 (default: twice"
+        " the KV cache's tokens)",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -123,14 +145,23 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     if not (Path(a.model) / "config.json").is_file():
         p.error(f"--model: {a.model} is not a model folder (no config.json); try `make models`")
     check_tp_options(p, a)  # [ch21]
-    if min(a.max_queued_requests, a.shutdown_timeout, a.worker_timeout) < 0:
-        p.error("--max-queued-requests, --shutdown-timeout and --worker-timeout take a number >= 0")
+    if a.max_request_bytes < 1 or not a.client_timeout > 0:
+        p.error("--max-request-bytes takes a number >= 1, --client-timeout one > 0")
+    if (
+        min(a.max_queued_requests, a.max_queued_tokens or 0, a.shutdown_timeout, a.worker_timeout)
+        < 0
+    ):
+        p.error(
+            "--max-queued-requests, --max-queued-tokens, --shutdown-timeout and"
+            " --worker-timeout take a number >= 0"
+        )
     try:
         dtype = None if a.dtype == "auto" else a.dtype  # a name: the scheduler resolves it
         config = SchedulerConfig(model_path=a.model, dtype=dtype, **p.config(a))
     except ValueError as e:
         p.error(str(e))
     config.kv_events = kv_events_config(p, a)  # [ch27]
+    keys = api_keys(p, a)
     name = a.served_model_name or Path(a.model).resolve().name
     return ServerArgs(
         config,
@@ -140,10 +171,16 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         name,
         a.log_level.upper(),
         a.max_queued_requests,
+        a.max_queued_tokens,
         a.shutdown_timeout,
         a.worker_timeout,
         a.node_rank,  # [ch21]
         check_dp_options(p, a),  # [ch27]
         not a.no_dashboard,  # [ch30]
         a.dashboard_text,  # [ch30]
+        check_dp_options(p, a, len(keys)),  # [ch27]
+        api_keys=keys,
+        protect_metrics=a.protect_metrics,
+        max_request_bytes=a.max_request_bytes,
+        client_timeout=a.client_timeout,
     )

@@ -4,6 +4,10 @@ The router is an optional dependency (`pip install "minisgl[router]"`, the `sgla
 package); a missing one is a usage error found before any model loads. What a replica set
 on one machine cannot do (a shell, ranks on several machines) is refused here as well.
 
+With an API key, the replicas get it as the launcher did (the same flags, the same
+environment), and so does the router (`--api-key`): it asks the replicas with it, and
+refuses a client without it.
+
 Each replica is told its `--dp-rank` by the launcher: its KV-cache events, if asked for,
 go out on the endpoint's port plus that rank and carry it (scheduler/kv_events.py).
 """
@@ -40,7 +44,9 @@ def add_dp_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp-rank", type=int, default=0, help=argparse.SUPPRESS)  # set by --dp-size
 
 
-def check_dp_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> Replicas | None:
+def check_dp_options(
+    p: argparse.ArgumentParser, a: argparse.Namespace, api_keys: int = 0
+) -> Replicas | None:
     if a.dp_size < 1:
         p.error(f"--dp-size takes a number >= 1, got {a.dp_size}")
     if a.dp_size == 1:
@@ -52,6 +58,8 @@ def check_dp_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> Repli
             "--dp-size starts its replicas on this machine; for replicas on several, start a"
             " server on each and the router in front of them (see docs/deployment.md)"
         )
+    if api_keys > 1:  # it checks every client's key against the one it holds
+        p.error("--dp-size puts SGLang's router in front, which accepts one API key; give one")
     if importlib.util.find_spec("sglang_router") is None:
         p.error(f"--dp-size puts the replicas behind SGLang's router, not installed: {INSTALL}")
     return Replicas(a.dp_size, a.router_policy)

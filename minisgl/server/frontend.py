@@ -46,7 +46,11 @@ class Frontend:
     """The pipes to the tokenizer worker, and the routing of its answers by uid."""
 
     def __init__(
-        self, ipc_dir: str, kv_pages_total: int = 0, max_requests: int | None = None
+        self,
+        ipc_dir: str,
+        kv_pages_total: int = 0,
+        max_requests: int | None = None,
+        max_tokens_held: int | None = None,
     ) -> None:
         ctx = zmq.asyncio.Context()
         self.to_tokenizer = AsyncWriter(ctx, address(ipc_dir, "tokenizer"))
@@ -54,7 +58,12 @@ class Frontend:
         self.queues: dict[int, asyncio.Queue] = {}
         self.uids = itertools.count()
         self.metrics = Metrics(kv_pages_total)
+        self.metrics.open_requests.set_function(lambda: len(self.queues))
         self.max_requests = max_requests  # running and queued together; beyond it, a 503
+        # Their prompts' tokens, as the tokenizer counted them: what they hold of the memory
+        # (here a prompt of token ids takes some 70 bytes a token) and of the time to come.
+        self.max_tokens_held = max_tokens_held
+        self.tokens_held, self._tokens = 0, {}  # in all, and by uid
         self.refusal: APIError | None = None  # once set, every new request gets it
         self.failed = False  # every request was ended (`fail`): the workers may be gone
         self.heard = time.monotonic()  # the workers' last word, or the first request since
@@ -82,6 +91,12 @@ class Frontend:
                 " (--max-running-requests plus --max-queued-requests); retry later"
             )
             raise APIError(503, message, code="queue_full", retry_after=1)
+        if self.max_tokens_held is not None and self.tokens_held >= self.max_tokens_held:
+            message = (
+                f"the server holds {self.tokens_held} prompt tokens, its limit is"
+                f" {self.max_tokens_held} (the KV cache's, plus --max-queued-tokens); retry later"
+            )
+            raise APIError(503, message, code="queue_full", retry_after=1)
         for msg in msgs:
             try:  # the request models let through only what msgpack carries; a last check
                 encode(msg)
@@ -103,6 +118,8 @@ class Frontend:
                     raise reply
                 if isinstance(reply, AcceptedMsg):
                     prompt_tokens += reply.prompt_tokens
+                    self._tokens[reply.uid] = reply.prompt_tokens
+                    self.tokens_held += reply.prompt_tokens
                 elif isinstance(reply, RejectedMsg):
                     refusal = reply
                 else:  # a choice already accepted may produce tokens before the others are
@@ -152,6 +169,7 @@ class Frontend:
             self.metrics.aborted_requests.inc(len(uids))
         for uid in uids:
             self.queues.pop(uid, None)
+            self.tokens_held -= self._tokens.pop(uid, 0)
             if abort and not self.failed:
                 self.to_tokenizer.send_nowait(AbortMsg(uid))
 

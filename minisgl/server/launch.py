@@ -11,12 +11,18 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.replicas import serve_replicas  # [ch27]
 from minisgl.shell import run_shell  # [ch17]
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from minisgl.server.metrics import Metrics
 
 logger = logging.getLogger("minisgl")
 
@@ -27,6 +33,7 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     import uvicorn
 
     from minisgl.server.api_server import create_app
+    from minisgl.server.clients import KEEP_ALIVE_S, ClientTimeouts
     from minisgl.server.dashboard import add_dashboard_routes  # [ch30]
     from minisgl.server.supervisor import Supervisor
     from minisgl.server.worker_api import add_worker_routes  # [ch27]
@@ -35,7 +42,11 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     limits = tree.limits
     assert limits is not None, "the scheduler reports its limits when it is ready"
     max_requests = limits.max_running_req + args.max_queued_requests
-    frontend = Frontend(tree.ipc_dir, limits.num_pages, max_requests)
+    queued_tokens = args.max_queued_tokens
+    if queued_tokens is None:  # what the pool can take in twice more, while it runs a full one
+        queued_tokens = 2 * limits.max_kv_tokens
+    max_tokens = limits.max_kv_tokens + queued_tokens
+    frontend = Frontend(tree.ipc_dir, limits.num_pages, max_requests, max_tokens)
     app = create_app(
         frontend,
         args.served_model_name,
@@ -47,7 +58,15 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
     add_worker_routes(app, frontend, args, limits, tree.ipc_dir)  # what routers ask  # [ch27]
     if args.dashboard:  # [ch30]
         add_dashboard_routes(app, frontend, tree.ipc_dir, args.dashboard_text)  # [ch30]
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    _guard(app, args, frontend.metrics)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        http=ClientTimeouts.with_timeout(args.client_timeout),
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
     timeouts = args.shutdown_timeout, args.worker_timeout
     server = Supervisor(config, frontend, tree.dead, *timeouts)
     receiver = asyncio.create_task(frontend.receive_forever())
@@ -58,6 +77,25 @@ async def _serve(args: ServerArgs, tree: ProcessTree) -> int:
         receiver.cancel()
         watcher.cancel()
     return server.exit_code
+
+
+def _guard(app: FastAPI, args: ServerArgs, metrics: Metrics) -> None:
+    """Around every route, those above and any added later: the key first, then the body's
+    size, then a watch for a client that hangs up."""
+    from minisgl.server.auth import RequireKey
+    from minisgl.server.clients import WatchClients
+    from minisgl.server.limits import BodyLimit
+
+    refused = metrics.error_responses.labels
+    app.add_middleware(WatchClients)
+    app.add_middleware(BodyLimit, limit=args.max_request_bytes, on_refusal=refused("413").inc)
+    if args.api_keys:  # the last added is the outermost: no body is read without a key
+        app.add_middleware(
+            RequireKey,
+            keys=args.api_keys,
+            protect_metrics=args.protect_metrics,
+            on_refusal=refused("401").inc,
+        )
 
 
 async def _run(args: ServerArgs, tree: ProcessTree) -> int:

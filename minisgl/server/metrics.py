@@ -15,6 +15,7 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -86,6 +87,11 @@ class Metrics:
             "minisgl:e2e_request_latency_seconds",
             "From a request's arrival to its last token.",
             buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.open_requests = Gauge(
+            "minisgl:num_requests_open",
+            "Requests the API server holds for their clients: queued, running or streaming.",
             registry=r,
         )
         self.stats = SchedulerStats(0, 0, kv_pages_total, 0, 0, 0)

@@ -72,7 +72,9 @@ class ProcessTree:
         if config.tp_size > 1:
             from minisgl.scheduler.ranks import start_followers  # torch: only for more ranks
 
-            config, ranks = start_followers(config, self.args.log_level, self.args.node_rank)
+            config, ranks = start_followers(
+                config, self.args.log_level, self.args.node_rank, serving=True
+            )
             self.procs += ranks
         if self.args.node_rank > 0:
             return  # a machine without rank 0 hosts ranks only: no tokenizer, no API

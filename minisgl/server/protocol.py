@@ -22,13 +22,14 @@ from pydantic import (
     model_validator,
 )
 
+from minisgl.engine.limits import UNLIMITED
 from minisgl.sampling_params import SamplingParams
+from minisgl.server import limits
 from minisgl.server import tools as calling  # [ch25]
 from minisgl.server.response_format import ResponseFormat, schema_text  # [ch25]
 
-UNLIMITED = 1 << 30  # "until EOS or the end of the context"
 INT64_END = 1 << 63  # msgpack carries integers of up to 64 bits; prompts and params stay below
-MAX_PROMPTS = 256  # prompts in one /v1/completions request, and their choices (times n)
+MAX_PROMPTS = limits.MAX_PROMPTS
 
 
 def _unicode(text: str) -> str:
@@ -41,6 +42,7 @@ def _unicode(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_unicode)]
+Stop = Annotated[str, Field(max_length=limits.MAX_STOP_CHARS), AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]  # the vocabulary's bound is the server's
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # added to a logit
 
@@ -88,10 +90,10 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, lt=INT64_END)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=limits.MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None
+    stop: Stop | Annotated[list[Stop], Field(max_length=limits.MAX_STOPS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     seed: int | None = Field(None, ge=0, lt=INT64_END)
     ignore_eos: bool = False
@@ -99,8 +101,15 @@ class _Common(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     skip_special_tokens: bool = True
-    logit_bias: dict[TokenId, Bias] | None = None
+    logit_bias: Annotated[dict[TokenId, Bias], Field(max_length=limits.MAX_LOGIT_BIAS)] | None = (
+        None
+    )
     response_format: ResponseFormat | None = None  # [ch25]
+
+    @field_validator("response_format", mode="before")  # [ch25]
+    @classmethod  # [ch25]
+    def _schema_size(cls, v: Any) -> Any:  # [ch25]
+        return limits.check_schema_size(v, "response_format")  # [ch25]
 
     @field_validator("top_k")
     @classmethod
@@ -234,6 +243,11 @@ class ChatCompletionRequest(_Common):
     functions: Any = None  # the deprecated spelling of tools
     function_call: Any = None
     parallel_tool_calls: bool = True  # [ch25]
+
+    @field_validator("tools", mode="before")  # [ch25]
+    @classmethod  # [ch25]
+    def _tools_size(cls, v: Any) -> Any:  # [ch25]
+        return limits.check_tools(v)  # [ch25]
 
     @field_validator("tools", "tool_choice", "functions", "function_call")
     @classmethod

@@ -123,6 +123,7 @@ class ReplicaSet:
             str(math.ceil(a.shutdown_timeout)),
             "--log-level",
             ROUTER_LOG_LEVELS.get(a.log_level, "error"),
+            *(["--api-key", a.api_keys[0]] if a.api_keys else []),
         ]
 
     def spawn(self, name: str, cmd: list[str], gpus: str | None) -> None:

@@ -78,7 +78,8 @@ class TokenizerWorker:
             return
         try:
             ids = self.tokenize(msg)
-            self.limits.check_prompt(ids)  # the scheduler's own check, done before it
+            # The scheduler's own check, done before it, and max_tokens held to the context.
+            self.limits.check_prompt(ids, msg.sampling_params.max_tokens)
         except ValueError as e:
             code = e.code if isinstance(e, PromptTooLong) else None
             self.to_api.send(RejectedMsg(msg.uid, str(e), code))
