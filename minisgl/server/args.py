@@ -47,12 +47,12 @@ class ServerArgs:
     worker_timeout: float
     node_rank: int = 0  # which machine this is, when the ranks span several  # [ch21]
     replicas: Replicas | None = None  # --dp-size > 1: this process starts them  # [ch27]
-    dashboard: bool = True  # GET /dashboard and its routes  # [ch30]
-    dashboard_text: bool = False  # the page shows prompts and outputs as text  # [ch30]
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # none: every route is open
     protect_metrics: bool = False
     max_request_bytes: int = 0  # a larger body is refused (413)
     client_timeout: float = 0.0  # to send a request, or to take a byte of the answer
+    dashboard: bool = True  # GET /dashboard and its routes  # [ch30]
+    dashboard_text: bool = False  # the page shows prompts and outputs as text  # [ch30]
 
 
 class ConfigParser(argparse.ArgumentParser):
@@ -175,12 +175,11 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         a.shutdown_timeout,
         a.worker_timeout,
         a.node_rank,  # [ch21]
-        check_dp_options(p, a),  # [ch27]
-        not a.no_dashboard,  # [ch30]
-        a.dashboard_text,  # [ch30]
         check_dp_options(p, a, len(keys)),  # [ch27]
         api_keys=keys,
         protect_metrics=a.protect_metrics,
         max_request_bytes=a.max_request_bytes,
         client_timeout=a.client_timeout,
+        dashboard=not a.no_dashboard,  # [ch30]
+        dashboard_text=a.dashboard_text,  # [ch30]
     )
