@@ -80,7 +80,7 @@ def server(tmp_path_factory) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serving(log: Path) -> Iterator[str]:
+def serving(log: Path, *extra: str) -> Iterator[str]:
     """A live `python -m minisgl` on CPU; its base URL. (test_server.py, chapter 16's, has
     the full kit for servers; this chapter's tree holds only its own tests.)"""
     need(SMOL)
@@ -89,7 +89,7 @@ def serving(log: Path) -> Iterator[str]:
         port = s.getsockname()[1]
     # The tools' instructions take some 200 tokens of the prompt.
     cmd = [sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu"]
-    cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "1024"]
+    cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "1024", *extra]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"

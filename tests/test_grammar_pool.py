@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import TINY, need
-from test_server import MODEL, Server, httpx, running
+from test_ch25_api import MODEL, httpx, serving
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -56,10 +56,10 @@ QUICK = {  # compiles in milliseconds
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    log_dir = tmp_path_factory.mktemp("grammars")
-    with running(log_dir, "--grammar-compile-timeout", str(TIMEOUT)) as srv:
-        yield srv
+def server(tmp_path_factory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("grammars") / "server.log"
+    with serving(log, "--grammar-compile-timeout", str(TIMEOUT)) as base:
+        yield base
 
 
 async def plain(http: httpx.AsyncClient) -> float:
@@ -81,7 +81,7 @@ async def constrained(http: httpx.AsyncClient, fmt: dict[str, Any]) -> tuple[flo
 
 def test_slow_grammars_do_not_hold_up_a_plain_request(server):
     async def scenario() -> tuple[list[float], float, list[tuple[float, httpx.Response]]]:
-        async with httpx.AsyncClient(base_url=server.base, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
             # Both workers started and warm: what is measured is compiling, not loading.
             other = json.loads(json.dumps(QUICK))
             other["json_schema"]["schema"]["properties"]["z"] = {"type": "string"}
@@ -110,7 +110,7 @@ def test_a_grammar_in_time_is_served_and_a_failed_one_kept(server):
     async def requests() -> list[tuple[float, httpx.Response]]:
         fmt = json.loads(json.dumps(QUICK))
         fmt["json_schema"]["schema"]["properties"]["w"] = {"type": "string", "maxLength": 5}
-        async with httpx.AsyncClient(base_url=server.base, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=server, timeout=120) as http:
             return [await constrained(http, fmt), await constrained(http, slow_schema("a"))]
 
     (_, served), (again, refused) = asyncio.run(requests())
@@ -170,7 +170,7 @@ def tool(i: int, description: str = "") -> dict[str, Any]:
 )
 def test_tools_and_schemas_have_limits(server, extra, param, words):
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 2} | extra
-    r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(server + "/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err

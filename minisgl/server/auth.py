@@ -21,11 +21,10 @@ import hashlib
 import hmac
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from minisgl.server.protocol import APIError
+if TYPE_CHECKING:  # the command line reads this module before the web framework loads
+    from starlette.types import ASGIApp, Receive, Scope, Send
 
 ENV_VAR = "MINISGL_API_KEY"
 OPEN_PATHS = ("/health", "/ready")
@@ -84,6 +83,10 @@ class RequireKey:
         self.on_refusal()
         if scope["type"] == "websocket":  # before it is accepted: a refused handshake
             return await send({"type": "websocket.close", "code": 1008, "reason": why})
+        from starlette.responses import JSONResponse
+
+        from minisgl.server.protocol import APIError
+
         error = APIError(401, why, kind="invalid_request_error", code="invalid_api_key")
         headers = {"WWW-Authenticate": 'Bearer realm="minisgl"'}
         await JSONResponse(error.body(), 401, headers)(scope, receive, send)

@@ -18,10 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+if TYPE_CHECKING:  # the command line reads this module before the web framework loads
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MAX_REQUEST_BYTES = 8 << 20  # --max-request-bytes: a 128k-token prompt is under 1 MiB of JSON
 CLIENT_TIMEOUT_S = 30.0  # --client-timeout: to send a request, or to take a byte of its answer
@@ -94,6 +94,8 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        from starlette.responses import JSONResponse
+
         from minisgl.server.protocol import APIError  # protocol.py imports this module
 
         self.on_refusal()
