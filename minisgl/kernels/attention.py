@@ -19,6 +19,10 @@ so a decode step can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -230,6 +234,47 @@ DECODE_PROGRAMS, DECODE_MAX_SPLITS, DECODE_BLOCK_N = 512, 32, 64
 DECODE_WARPS_FROM_BS8 = 2
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How a kernel is launched: keys per block (and queries per block for extend), warps
+    per program, and the software pipeline's stages (None: Triton's default)."""
+
+    block_n: int
+    warps: int
+    stages: int | None = None
+    block_m: int = 0  # extend only
+
+    def options(self) -> dict:
+        return {"num_warps": self.warps} | ({"num_stages": self.stages} if self.stages else {})
+
+
+_override: dict[str, Launch] = {}
+
+
+@contextlib.contextmanager
+def launch_override(kind: str, launch: Launch) -> Iterator[None]:
+    """Within the block, every "decode" or "extend" launch uses `launch` (sweeps)."""
+    _override[kind] = launch
+    try:
+        yield
+    finally:
+        del _override[kind]
+
+
+def decode_launch(batch_size: int, kv_dtype: torch.dtype) -> Launch:
+    """The decode kernels' blocks for a batch size and a KV-cache dtype."""
+    if "decode" in _override:
+        return _override["decode"]
+    return Launch(DECODE_BLOCK_N, DECODE_WARPS_FROM_BS8 if batch_size >= 8 else 4)
+
+
+def extend_launch(max_extend_len: int) -> Launch:
+    """The extend kernel's blocks for the longest run of new tokens in the batch."""
+    if "extend" in _override:
+        return _override["extend"]
+    return Launch(32, 4, block_m=64 if max_extend_len > 32 else 16)
+
+
 NO_WINDOW = 1 << 30  # a window longer than any context: every key  # [ch29]
 
 
@@ -260,6 +305,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     partial = torch.empty(bs, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(bs, q_heads, splits, dtype=torch.float32, device=q.device)
+    launch = decode_launch(bs, k_cache.dtype)
     _decode_split_kernel[(bs, kv_heads, splits)](
         q, k_cache, v_cache, page_table, rows, seq_lens, partial, lse,
         sm_scale,
@@ -270,9 +316,9 @@ def decode_attention(
         page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
-        num_warps=DECODE_WARPS_FROM_BS8 if bs >= 8 else 4,
+        **launch.options(),
     )  # fmt: skip
     out = torch.empty_like(q)
     _decode_merge_kernel[(bs, q_heads)](
@@ -303,9 +349,9 @@ def extend_attention(
     tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.size(1)
     bs = rows.size(0)
-    block_m = 64 if max_extend_len > 32 else 16
+    launch = extend_launch(max_extend_len)
     out = torch.empty_like(q)
-    grid = (bs, q_heads, triton.cdiv(max_extend_len, block_m))
+    grid = (bs, q_heads, triton.cdiv(max_extend_len, launch.block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, rows, seq_lens, qo_indptr,
         sm_scale,
@@ -315,8 +361,8 @@ def extend_attention(
         v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1),
         page_table.stride(0),
-        GROUP=q_heads // kv_heads, BLOCK_M=block_m, BLOCK_N=32,
+        GROUP=q_heads // kv_heads, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, **launch.options(),
     )  # fmt: skip
     return out

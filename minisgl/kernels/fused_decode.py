@@ -30,7 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.attention import DECODE_BLOCK_N, _attend_range, decode_num_splits
+from minisgl.kernels.attention import (
+    DECODE_BLOCK_N,
+    _attend_range,
+    decode_launch,
+    decode_num_splits,
+)
 from minisgl.kernels.pdl import pdl_launch, pdl_wait
 from minisgl.kernels.rope_store import _cached
 
@@ -203,6 +208,7 @@ def decode_attention_qkv(
     lse = torch.empty(bs, q_heads, splits, dtype=torch.float32, device=qkv.device)
     counters = _split_counters(qkv.device, bs * kv_heads)
     qk_norm = q_weight is not None
+    launch = decode_launch(bs, k_cache.dtype)
     _decode_qkv_kernel[(bs, kv_heads, splits)](
         qkv, k_cache, v_cache, out, page_table, rows, seq_lens, positions, out_loc, cos_sin,
         q_weight if qk_norm else cos_sin, k_weight if qk_norm else cos_sin, eps,
@@ -212,9 +218,9 @@ def decode_attention_qkv(
         out.stride(0), out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=DECODE_BLOCK_N,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
         QK_NORM=qk_norm,
-        IEEE=qkv.dtype == torch.float32, num_warps=2 if bs >= 8 else 4, **pdl_launch(pdl),
+        IEEE=qkv.dtype == torch.float32, **launch.options(), **pdl_launch(pdl),
     )  # fmt: skip
     return out

@@ -1,0 +1,215 @@
+"""Our attention kernels' launch blocks, swept: which keys-per-block, warps and pipeline
+stages read the KV cache fastest, for each cache dtype.
+
+Decode is the fused kernel the engine runs (kernels/fused_decode.py: rotary, the KV store,
+split-KV attention and the merge), timed inside a CUDA graph of 20 calls for each
+(batch, context), with its bytes of K/V per call turned into TB/s. Extend is one prompt of
+`--extend-lens` new tokens with no cached prefix, as a chunked prefill's first chunk,
+timed eagerly, as TFLOP/s of the causal half. Each table row is one launch; the current
+default is marked. A launch that does not compile (too much shared memory) is listed as
+failed. Defaults change in kernels/attention.py (`decode_launch`, `extend_launch`) only
+after a sweep on the GPU.
+
+    python tools/sweep_attention.py --kv-dtypes bfloat16,fp8_e4m3 --decode 256x1024,64x1024
+    TRITON_INTERPRET=1 python tools/sweep_attention.py --device cpu --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+from common import add_device_args, parse
+
+from minisgl.kernels import attention as attn
+from minisgl.kernels.fused_decode import decode_attention_qkv
+
+KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def timed(fn, iters: int, graph: bool) -> float:
+    """ms per call of fn: a CUDA graph of 20 calls replayed, or eager calls timed."""
+    fn()
+    if graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=stream):
+            for _ in range(20):
+                fn()
+        call, per = g.replay, 20
+    else:
+        call, per = fn, 1
+    call()
+    if not torch.cuda.is_available():
+        began = time.perf_counter()
+        for _ in range(iters):
+            call()
+        return (time.perf_counter() - began) / iters / per * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(iters):
+        call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters / per
+
+
+class Shape:
+    """A layer's tensors: the KV pool of `slots` tokens in `kv_dtype`, shuffled slots."""
+
+    def __init__(self, args: argparse.Namespace, kv_dtype: torch.dtype, rows: int, width: int):
+        dev, self.args = args.device, args
+        h, kv, d = args.q_heads, args.kv_heads, args.head_dim
+        slots = rows * width + 1
+        self.k = torch.randn(slots, kv, d, device=dev).to(kv_dtype)
+        self.v = torch.randn(slots, kv, d, device=dev).to(kv_dtype)
+        self.table = torch.randperm(slots - 1, device=dev).view(rows, width).to(torch.int32)
+        self.cos_sin = torch.randn(width + 1, d, device=dev)
+        self.qw = torch.rand(d, device=dev, dtype=args.dtype) + 0.5
+        self.kw = torch.rand(d, device=dev, dtype=args.dtype) + 0.5
+        self.width = (h + 2 * kv) * d
+
+    def decode(self, bs: int, ctx: int):
+        a, dev = self.args, self.args.device
+        qkv = torch.randn(bs, self.width, device=dev, dtype=a.dtype)
+        rows = torch.arange(bs, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+        positions = (seq_lens - 1).long()
+        out_loc = self.table[rows.long(), ctx - 1].long()
+
+        def run() -> torch.Tensor:
+            return decode_attention_qkv(
+                qkv, positions, self.cos_sin, self.qw, self.kw, 1e-6, self.k, self.v, out_loc,
+                self.table, rows, seq_lens, a.head_dim**-0.5, a.q_heads, a.kv_heads, a.head_dim,
+            )  # fmt: skip
+
+        return run
+
+    def extend(self, length: int):
+        a, dev = self.args, self.args.device
+        q = torch.randn(length, a.q_heads, a.head_dim, device=dev, dtype=a.dtype)
+        rows = torch.zeros(1, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((1,), length, dtype=torch.int32, device=dev)
+        qo = torch.tensor([0, length], dtype=torch.int32, device=dev)
+
+        def run() -> torch.Tensor:
+            return attn.extend_attention(
+                q, self.k, self.v, self.table, rows, seq_lens, qo, length, a.head_dim**-0.5
+            )
+
+        return run
+
+
+def sweep(kind: str, launches: list[attn.Launch], default: attn.Launch, fn, iters, graph, work):
+    """[(launch, ms or None)] for each launch, the default first."""
+    rows = []
+    for launch in [default, *[x for x in launches if x != default]]:
+        try:
+            with attn.launch_override(kind, launch):
+                ms = timed(fn, iters, graph)
+        except Exception as e:  # out of shared memory, or no such layout  # noqa: BLE001
+            print(f"  {launch}: failed ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+            ms = None
+        rows.append((launch, ms))
+    best = min((ms for _, ms in rows if ms is not None), default=None)
+    print(f"| block_m | block_n | warps | stages | us | {work[1]} | vs default |")
+    print("|---|---|---|---|---|---|---|")
+    base = rows[0][1]
+    for launch, ms in sorted(rows, key=lambda r: (r[1] is None, r[1] or 0.0)):
+        mark = " (default)" if launch == default else ""
+        if ms is None:
+            print(f"| {launch.block_m} | {launch.block_n} | {launch.warps} | {launch.stages} | "
+                  f"failed | | |{mark}")  # fmt: skip
+            continue
+        rate = work[0] / (ms * 1e-3) / 1e12
+        print(
+            f"| {launch.block_m} | {launch.block_n} | {launch.warps} | {launch.stages} | "
+            f"{ms * 1e3:.1f} | {rate:.2f} | {base / ms if base else 0:.2f}x |{mark}"
+        )
+    print(f"best {best * 1e3:.1f} us" if best else "nothing ran")
+    return [{"launch": vars(x), "ms": ms} for x, ms in rows]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--q-heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3", help=", ".join(KV_DTYPES))
+    p.add_argument("--decode", default="256x1024,64x1024", help="BATCHxCONTEXT,...")
+    p.add_argument("--extend-lens", type=ints, default=[2048, 8192])
+    p.add_argument("--block-n", type=ints, default=[32, 64, 128])
+    p.add_argument("--warps", type=ints, default=[2, 4, 8])
+    p.add_argument("--stages", type=ints, default=[0, 2, 3, 4], help="0: Triton's default")
+    p.add_argument("--extend-block-m", type=ints, default=[64, 128])
+    p.add_argument("--extend-block-n", type=ints, default=[32, 64, 128])
+    p.add_argument("--extend-warps", type=ints, default=[4, 8])
+    p.add_argument("--extend-stages", type=ints, default=[0, 2, 3])
+    p.add_argument("--extend-kv-dtypes", help="default: --kv-dtypes")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--smoke", action="store_true", help="tiny sizes and two launches (CPU)")
+    p.add_argument("--output-json")
+    add_device_args(p)
+    args = parse(p)
+    args.dtype = getattr(torch, args.dtype)
+    args.device = torch.device(args.device)
+    graph = args.device.type == "cuda"
+    decode = [tuple(int(x) for x in s.split("x")) for s in args.decode.split(",") if s]
+    if args.smoke:
+        decode, args.extend_lens, args.iters = [(2, 40)], [24], 1
+        args.block_n, args.warps, args.stages = [16, 32], [2], [0]
+        args.extend_block_m, args.extend_block_n = [16], [16, 32]
+        args.extend_warps, args.extend_stages = [4], [0]
+    where = torch.cuda.get_device_name() if graph else "cpu"
+    print(f"{where}, {args.dtype} activations, heads {args.q_heads}/{args.kv_heads}x{args.head_dim}")
+    results: dict[str, list] = {}
+    d = args.head_dim
+    for name in args.kv_dtypes.split(","):
+        kv_dtype = KV_DTYPES[name]
+        for bs, ctx in decode:
+            shape = Shape(args, kv_dtype, bs, ctx)
+            launches = [
+                attn.Launch(n, w, s or None)
+                for n, w, s in itertools.product(args.block_n, args.warps, args.stages)
+            ]
+            print(f"\n== decode, K/V {name}, batch {bs} x context {ctx}, fused kernel")
+            work = (2 * bs * ctx * args.kv_heads * d * kv_dtype.itemsize, "TB/s of K/V")
+            default = attn.decode_launch(bs, kv_dtype)
+            results[f"decode {name} {bs}x{ctx}"] = sweep(
+                "decode", launches, default, shape.decode(bs, ctx), args.iters, graph, work
+            )
+            del shape
+    for name in (args.extend_kv_dtypes or args.kv_dtypes).split(","):
+        kv_dtype = KV_DTYPES[name]
+        for length in args.extend_lens:
+            shape = Shape(args, kv_dtype, 1, length)
+            launches = [
+                attn.Launch(n, w, s or None, block_m=m)
+                for m, n, w, s in itertools.product(
+                    args.extend_block_m, args.extend_block_n, args.extend_warps, args.extend_stages
+                )
+            ]
+            print(f"\n== extend, K/V {name}, one prompt of {length} new tokens")
+            flops = 2 * 2 * length * (length + 1) / 2 * d * args.q_heads
+            default = attn.extend_launch(length)
+            results[f"extend {name} {length}"] = sweep(
+                "extend", launches, default, shape.extend(length), args.iters, False,
+                (flops, "TFLOP/s"),
+            )  # fmt: skip
+            del shape
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
