@@ -42,12 +42,16 @@ def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -
 
     vocab = ModelConfig.from_path(args.model).vocab_size
     warm = workload(argparse.Namespace(**{**vars(args), "seed": args.seed + 1}), vocab)
+    jit = llm.engine.jit
     llm.generate([ids for ids, _ in warm[:16]], SamplingParams(max_tokens=2), use_tqdm=False)
     sync(args.device)
+    print(f"Triton in the warm-up: {jit.summary()}")
+    built = len(jit.builds)
     start = time.perf_counter()
     outputs = llm.generate([ids for ids, _ in reqs], params)
     sync(args.device)
     elapsed = time.perf_counter() - start
+    print(f"Triton in the timed run: {jit.summary(jit.builds[built:])}")
     assert [len(o["token_ids"]) for o in outputs] == [n for _, n in reqs]
     llm.shutdown()
     return elapsed

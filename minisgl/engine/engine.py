@@ -34,6 +34,7 @@ from minisgl.engine.bias import (
 # <<< ch25
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphPlan, GraphRunner  # [ch18]
+from minisgl.engine.jit_log import jit_log  # [ch20]
 from minisgl.engine.kernel_choice import choose_kernels  # [ch20]
 
 # >>> ch25
@@ -91,6 +92,7 @@ class StepLogits:
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         clock = _Clock()  # the start-up's phases, for one line in the log
+        self.jit = jit_log()  # the Triton kernels built from here on  # [ch20]
         self.config = config
         self.model_config = ModelConfig.from_path(config.model_path)
         self.device = _resolve_device(config.device)
@@ -165,6 +167,8 @@ class Engine:
         )
         clock.phases.update(self.graph_runner.capture_seconds)
         # <<< ch18
+        self.jit.mark_ready()  # [ch20]
+        logger.info("Triton at start-up: %s", self.jit.summary(self.jit.builds))  # [ch20]
         logger.info(
             "engine ready in %s: %s %s on %s, %s attention, %d KV pages of %d tokens, "
             "max_seq_len %d",
