@@ -170,7 +170,8 @@ def main() -> None:
         args.extend_block_m, args.extend_block_n = [16], [16, 32]
         args.extend_warps, args.extend_stages = [4], [0]
     where = torch.cuda.get_device_name() if graph else "cpu"
-    print(f"{where}, {args.dtype} activations, heads {args.q_heads}/{args.kv_heads}x{args.head_dim}")
+    heads = f"{args.q_heads}/{args.kv_heads}x{args.head_dim}"
+    print(f"{where}, {args.dtype} activations, q/kv heads {heads}")
     results: dict[str, list] = {}
     d = args.head_dim
     for name in args.kv_dtypes.split(","):
