@@ -4,9 +4,12 @@ After the qkv matmul a decoder layer normalises each query and key head (Qwen3),
 them by position (RoPE), and writes the keys and values of the new tokens into the KV pool.
 Done one step at a time that is seven small kernels per layer (two head norms, a rotary,
 two copies to make q/k contiguous, two scattered stores), each a few microseconds at
-batch 1 for a few kilobytes of data. Here one program takes one (token, head): it loads
-the head once, normalises and rotates it in registers, and writes it where it goes: a
-query head to the output, a key head (and the value head beside it) to its KV slot.
+batch 1 for a few kilobytes of data. Here one program takes one head of a block of tokens
+(a tile, a row per token): it loads each row once, normalises and rotates it in
+registers with the row of the angle table at the token's position, and writes it where it
+goes: a query head to the output, a key head (and the value head beside it) to each
+token's KV slot. The block is one token for a few tokens and grows with their count
+(`tile_tokens`), so that a prefill chunk is not hundreds of thousands of tiny programs.
 
 The rotation is the "neox" one: channel i pairs with channel i + rotary_dim / 2, and the
 angle table holds, for each position, the cosines of the pairs and then their sines. Its
@@ -23,30 +26,36 @@ import triton.language as tl
 from minisgl.kernels.fp8_gemv import _round_to_e4m3  # [ch28]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])
 def _qk_rope_store_kernel(
-    QKV, Q_OUT, K_CACHE, V_CACHE, positions, out_loc, cos_sin, q_weight, k_weight, eps,
+    QKV, Q_OUT, K_CACHE, V_CACHE, positions, out_loc, cos_sin, q_weight, k_weight, eps, tokens,
     stride_t, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
     stride_cs,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROTARY_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HEAD: tl.constexpr,
+    ROTARY_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_HEAD: tl.constexpr,
     BLOCK_PASS: tl.constexpr,  # [ch29]
     QK_NORM: tl.constexpr,
 ):  # fmt: skip
-    t = tl.program_id(0)
+    # one head (the same for every row of the tile) of BLOCK_T tokens: a row per token
     h = tl.program_id(1)  # 0..Q_HEADS-1: a query head; then the key heads
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < tokens
+    t = t.to(tl.int64)
     half: tl.constexpr = ROTARY_DIM // 2  # the angle table's width: the channels that turn
     offs = tl.arange(0, BLOCK_HALF)
-    mask = offs < half
-    row = QKV + t * stride_t + h * HEAD_DIM  # q and k heads lie side by side in qkv
-    x1 = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(row + half + offs, mask=mask, other=0.0).to(tl.float32)
-    squares = tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)
+    turns = offs < half
+    mask = t_mask[:, None] & turns[None, :]
+    rows = QKV + t[:, None] * stride_t + h * HEAD_DIM  # q and k heads lie side by side in qkv
+    x1 = tl.load(rows + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + half + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+    squares = tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)
     # >>> ch29 partial rotary: the channels past the table's pass unrotated
     offs_p = ROTARY_DIM + tl.arange(0, BLOCK_PASS)
-    mask_p = offs_p < HEAD_DIM
-    xp = tl.load(row + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    squares += tl.sum(xp * xp, 0)
+    passes = offs_p < HEAD_DIM
+    mask_p = t_mask[:, None] & passes[None, :]
+    xp = tl.load(rows + offs_p[None, :], mask=mask_p, other=0.0).to(tl.float32)
+    squares += tl.sum(xp * xp, 1)
     # <<< ch29
     dtype = QKV.dtype.element_ty
     if QK_NORM:
@@ -54,36 +63,38 @@ def _qk_rope_store_kernel(
             w = q_weight
         else:
             w = k_weight
-        rstd = tl.rsqrt(squares / HEAD_DIM + eps)
+        rstd = tl.rsqrt(squares / HEAD_DIM + eps)[:, None]
         # rounded to the model dtype between the steps, as the unfused layers do
-        w1 = tl.load(w + offs, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(w + half + offs, mask=mask, other=0.0).to(tl.float32)
+        w1 = tl.load(w + offs, mask=turns, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w + half + offs, mask=turns, other=0.0).to(tl.float32)[None, :]
         x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-        wp = tl.load(w + offs_p, mask=mask_p, other=0.0).to(tl.float32)  # [ch29]
+        wp = tl.load(w + offs_p, mask=passes, other=0.0).to(tl.float32)[None, :]  # [ch29]
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)  # [ch29]
-    pos = tl.load(positions + t).to(tl.int64)
-    cos = tl.load(cos_sin + pos * stride_cs + offs, mask=mask, other=0.0)
-    sin = tl.load(cos_sin + pos * stride_cs + half + offs, mask=mask, other=0.0)
+    pos = tl.load(positions + t, mask=t_mask, other=0).to(tl.int64)
+    angles = cos_sin + pos[:, None] * stride_cs + offs[None, :]  # each token's row of the table
+    cos = tl.load(angles, mask=mask, other=0.0)
+    sin = tl.load(angles + half, mask=mask, other=0.0)
     y1 = (x1 * cos - x2 * sin).to(dtype)
     y2 = (x2 * cos + x1 * sin).to(dtype)
     if h < Q_HEADS:
-        out = Q_OUT + t * stride_qo_t + h * stride_qo_h
-        tl.store(out + offs, y1, mask=mask)
-        tl.store(out + half + offs, y2, mask=mask)
-        tl.store(out + offs_p, xp.to(dtype), mask=mask_p)  # [ch29]
+        out = Q_OUT + t[:, None] * stride_qo_t + h * stride_qo_h
+        tl.store(out + offs[None, :], y1, mask=mask)
+        tl.store(out + half + offs[None, :], y2, mask=mask)
+        tl.store(out + offs_p[None, :], xp.to(dtype), mask=mask_p)  # [ch29]
     else:
         kv_head = h - Q_HEADS
-        slot = tl.load(out_loc + t).to(tl.int64)
-        k_out = K_CACHE + slot * stride_kc_s + kv_head * stride_kc_h
-        tl.store(k_out + offs, _cached(y1, K_CACHE), mask=mask)
-        tl.store(k_out + half + offs, _cached(y2, K_CACHE), mask=mask)
-        tl.store(k_out + offs_p, _cached(xp.to(dtype), K_CACHE), mask=mask_p)  # [ch29]
-        v_row = row + KV_HEADS * HEAD_DIM  # the value head sits KV_HEADS heads further on
-        v_out = V_CACHE + slot * stride_vc_s + kv_head * stride_vc_h
+        slot = tl.load(out_loc + t, mask=t_mask, other=0).to(tl.int64)  # any page layout
+        k_out = K_CACHE + slot[:, None] * stride_kc_s + kv_head * stride_kc_h
+        tl.store(k_out + offs[None, :], _cached(y1, K_CACHE), mask=mask)
+        tl.store(k_out + half + offs[None, :], _cached(y2, K_CACHE), mask=mask)
+        tl.store(k_out + offs_p[None, :], _cached(xp.to(dtype), K_CACHE), mask=mask_p)  # [ch29]
+        v_rows = rows + KV_HEADS * HEAD_DIM  # the value head sits KV_HEADS heads further on
+        v_out = V_CACHE + slot[:, None] * stride_vc_s + kv_head * stride_vc_h
         offs_d = tl.arange(0, BLOCK_HEAD)
-        v = tl.load(v_row + offs_d, mask=offs_d < HEAD_DIM)
-        tl.store(v_out + offs_d, _cached(v, V_CACHE), mask=offs_d < HEAD_DIM)
+        v_mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        v = tl.load(v_rows + offs_d[None, :], mask=v_mask)
+        tl.store(v_out + offs_d[None, :], _cached(v, V_CACHE), mask=v_mask)
 
 
 @triton.jit
@@ -95,6 +106,24 @@ def _cached(x, CACHE):
         x = _round_to_e4m3(tl.clamp(x.to(tl.float32), -448.0, 448.0))
     # <<< ch28
     return x.to(CACHE.dtype.element_ty)
+
+
+def tile_tokens(tokens: int) -> int:
+    """Tokens per program (BLOCK_T) for a call on this many tokens.
+
+    A prefill chunk of thousands of tokens at one program per (token, head) is hundreds of
+    thousands of programs of a few hundred bytes each: their start, not their bytes, sets
+    the time. Tiles of 8 and then 32 tokens make them 8 and 32 times fewer, and still
+    several per SM. 32 rows of a half head of 64 channels are 16 values a thread per load
+    (4 warps); Triton's sm_90 build of 64 rows spills registers. A few tokens (a decode
+    batch, a small verify batch) keep one token a program: their programs all run at once,
+    so the kernel takes one launch and one program's time, and a bigger tile, or several
+    heads in a program, would only make fewer, longer programs of it.
+    `tools/bench_elementwise.py --ops rope_store` times each tile at each size.
+    """
+    if tokens < 64:
+        return 1
+    return 8 if tokens < 1024 else 32
 
 
 def qk_rope_store(
@@ -122,14 +151,15 @@ def qk_rope_store(
     if tokens == 0:
         return q
     qk_norm = q_weight is not None
-    _qk_rope_store_kernel[(tokens, q_heads + kv_heads)](
+    block_t = tile_tokens(tokens)
+    _qk_rope_store_kernel[(triton.cdiv(tokens, block_t), q_heads + kv_heads)](
         qkv, q, k_cache, v_cache, positions, out_loc, cos_sin,
-        q_weight if qk_norm else cos_sin, k_weight if qk_norm else cos_sin, eps,
+        q_weight if qk_norm else cos_sin, k_weight if qk_norm else cos_sin, eps, tokens,
         qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos_sin.stride(0),
         Q_HEADS=q_heads, KV_HEADS=kv_heads, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
-        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
         BLOCK_HEAD=triton.next_power_of_2(head_dim),
         BLOCK_PASS=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),  # [ch29]
         QK_NORM=qk_norm,
