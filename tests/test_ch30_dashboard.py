@@ -7,7 +7,8 @@ prompt, a prompt longer than the prefill budget and more requests than may run a
 and the page in headless Chromium (Debian's chromium and chromium-driver, driven by
 selenium). Mid-run the scheduler process is stopped (SIGSTOP), so that the page and
 /dashboard/state hold the same snapshot while requests run and wait; the page must show
-exactly what the state says, and at the end what the clients and /metrics say.
+exactly what the state says, and at the end what the clients and /metrics say. The server
+wants an API key, as a shared one would: the page opens without it and asks for it.
 Screenshots go to $MINISGL_ARTIFACTS (default: artifacts/ at the repo root).
 """
 
@@ -57,7 +58,9 @@ FLAGS = [
     "--device", "cpu", "--dtype", "float32", "--max-seq-len-override", "512",
     "--page-size", str(PAGE_SIZE), "--num-pages", "160", "--max-running-requests", "4",
     "--max-prefill-length", "48", "--cuda-graph-max-bs", "4", "--log-level", "WARNING",
+    "--api-key", "sk-dashboard-test",
 ]  # fmt: skip
+KEY = {"Authorization": "Bearer sk-dashboard-test"}
 
 
 # ---- the scheduler's record, in-process ----------------------------------------------------
@@ -253,7 +256,7 @@ def artifacts() -> Path:
 
 
 def state(server: Server) -> dict[str, Any]:
-    r = httpx.get(server.base + "/dashboard/state", timeout=30)
+    r = httpx.get(server.base + "/dashboard/state", headers=KEY, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -334,6 +337,21 @@ def check_page_equals_state(page: Any, snap: dict[str, Any]) -> None:
     assert graphs == [g for g in shown_rows if g[0] != "prefill" or g[2] > 0]
 
 
+def idle_page_equals_state(page: Any, server: Server) -> dict[str, Any]:
+    """check_page_equals_state on an idle server, which still sends snapshots while the page
+    watches: one that lands mid-check redraws the page under the check, which then looks again."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for _ in range(4):
+        snap = shown(page, server)
+        try:
+            check_page_equals_state(page, snap)
+            return snap
+        except StaleElementReferenceException:
+            continue
+    pytest.fail("the page was redrawn under every check")
+
+
 def scheduler_pid(server: Server) -> int:
     """The server's child that names itself minisgl::scheduler (see server/processes.py)."""
     for children in Path(f"/proc/{server.proc.pid}/task").glob("*/children"):
@@ -346,14 +364,22 @@ def scheduler_pid(server: Server) -> int:
 def chat(server: Server, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     body = {"model": SMOL.name, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
-    r = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=300)
+    r = httpx.post(server.base + "/v1/chat/completions", json=body, headers=KEY, timeout=300)
     assert r.status_code == 200, r.text
     return r.json()["usage"]
 
 
 def test_page_shows_what_the_scheduler_reports(server, browser, artifacts):
     page = browser
-    page.get(server.base + "/dashboard")
+    page.get(server.base + "/dashboard")  # open: the page holds no data
+    form = until(lambda: page.find_element("id", "key-form").is_displayed(), 30, "the key form")
+    assert form and page.execute_script("return window.dashboardSeq") is None
+    page.find_element("id", "key").send_keys("sk-wrong")
+    page.find_element("css selector", "#key-form button").click()
+    until(lambda: "refused" in page.find_element("id", "key-note").text, 10, "the refusal")
+    page.find_element("id", "key").clear()
+    page.find_element("id", "key").send_keys("sk-dashboard-test")
+    page.find_element("css selector", "#key-form button").click()
     until(lambda: page.execute_script("return window.dashboardSeq"), 30, "the first snapshot")
     asks = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
             for q in QUESTIONS] + [[{"role": "user", "content": LONG}]]  # fmt: skip
@@ -376,8 +402,7 @@ def test_page_shows_what_the_scheduler_reports(server, browser, artifacts):
         usages = [f.result() for f in futures]
     until(lambda: (s := state(server))["counters"]["running"] == 0 and not s["waiting"], 60,
           "the server to be idle")  # fmt: skip
-    snap = shown(page, server)
-    check_page_equals_state(page, snap)
+    snap = idle_page_equals_state(page, server)
     page.save_screenshot(str(artifacts / "idle.png"))
     done = Counter((f["prompt_tokens"], f["output_tokens"]) for f in snap["finished"][: len(asks)])
     assert done == Counter((u["prompt_tokens"], u["completion_tokens"]) for u in usages)
@@ -410,7 +435,9 @@ def test_state_documents_its_fields(server):
                          "finished", "pool", "tree", "graphs"}  # fmt: skip
     assert snap["engine"]["page_size"] == PAGE_SIZE and snap["engine"]["decode_graphs"] == [1, 2, 4]
     assert "prompt_text" not in str(snap) and not snap["engine"]["text"]  # no --dashboard-text
-    with httpx.stream("GET", server.base + "/dashboard/events", timeout=30) as r:
+    for path in ("/dashboard/state", "/dashboard/events"):  # the data wants the key
+        assert httpx.get(server.base + path, timeout=30).status_code == 401
+    with httpx.stream("GET", server.base + "/dashboard/events", headers=KEY, timeout=30) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
         assert '"seq"' in next(lines)

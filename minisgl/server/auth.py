@@ -3,9 +3,11 @@
 The check wraps the whole app (an ASGI middleware), not each route: a route added later,
 by a later chapter or by the router's worker routes, is behind the key without a word.
 Only a short list of paths stays open: /health and /ready, which load balancers and
-Kubernetes probe without credentials, and /metrics unless `--protect-metrics` (Prometheus
-scrapers are often set up without one). An unknown path asks for a key too, so a client
-without one learns nothing about which routes exist.
+Kubernetes probe without credentials, /metrics unless `--protect-metrics` (Prometheus
+scrapers are often set up without one), and pages whose HTML holds no data (the live page
+of docs/ch30_dashboard.md: its script asks for the key and sends it with each request). An
+unknown path asks for a key too, so a client without one learns nothing about which routes
+exist.
 
 A client sends `Authorization: Bearer KEY`, as the official OpenAI clients do with their
 `api_key`. The key is compared with every accepted key in constant time (the SHA-256 of
@@ -28,6 +30,7 @@ if TYPE_CHECKING:  # the command line reads this module before the web framework
 
 ENV_VAR = "MINISGL_API_KEY"
 OPEN_PATHS = ("/health", "/ready")
+OPEN_PATHS += ("/dashboard",)  # the live page's HTML holds no data; it asks for the key  # [ch30]
 METRICS_PATH = "/metrics"
 
 

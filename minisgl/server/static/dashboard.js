@@ -16,6 +16,7 @@ const esc = (s) => String(s).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`)
 const num = (x, digits = 0) => (x === null || x === undefined ? "–" : Number(x).toFixed(digits));
 
 function draw(state) {
+  if (latest && latest.seq === state.seq) return; // the stream's first event repeats the state
   latest = state;
   window.dashboardSeq = state.seq; // for tests: which snapshot is on the screen
   drawHeader(state);
@@ -205,23 +206,91 @@ function status(text, cls) {
   el.className = `status ${cls}`;
 }
 
+// With --api-key every data route wants `Authorization: Bearer KEY`. The page itself is
+// served without one (it holds no data); it asks for the key when a route refuses, keeps it
+// in this tab's sessionStorage only, and reads the event stream with fetch, which can send
+// the header (EventSource cannot).
+let key = sessionStorage.getItem("minisgl-key") || "";
+const sleep = (ms) => new Promise((done) => setTimeout(done, ms));
+
+function askKey(why) {
+  const form = $("key-form");
+  form.hidden = false;
+  $("key-note").textContent = why;
+  status("needs an API key", "down");
+  return new Promise((done) => {
+    form.onsubmit = (e) => {
+      e.preventDefault();
+      key = $("key").value.trim();
+      sessionStorage.setItem("minisgl-key", key);
+      form.hidden = true;
+      done();
+    };
+  });
+}
+
+async function get(url) {
+  for (;;) {
+    const r = await fetch(url, { headers: key ? { Authorization: `Bearer ${key}` } : {} });
+    if (r.status !== 401) return r;
+    const body = await r.json().catch(() => ({}));
+    await askKey(key ? "that key was refused" : (body.error || {}).message || "");
+  }
+}
+
+function event(block) {
+  // One server-sent event: its `event:` and its `data:` lines joined.
+  const ev = { type: "message", data: [] };
+  for (const line of block.split(/\r?\n/)) {
+    const [field, ...rest] = line.split(":");
+    const value = rest.join(":").replace(/^ /, "");
+    if (field === "event") ev.type = value;
+    else if (field === "data") ev.data.push(value);
+  }
+  return { type: ev.type, data: ev.data.join("\n") };
+}
+
+async function follow() {
+  for (;;) {
+    try {
+      const r = await get(`/dashboard/events${query}`);
+      if (!r.ok) throw new Error(`HTTP ${r.status}`);
+      status("live", "live");
+      const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buf = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buf += value;
+        let cut;
+        while ((cut = buf.search(/\r?\n\r?\n/)) >= 0) {
+          const ev = event(buf.slice(0, cut));
+          buf = buf.slice(cut).replace(/^\r?\n\r?\n/, "");
+          if (ev.type === "end") {
+            status(`server stopped: ${JSON.parse(ev.data).error.message}`, "down");
+            return;
+          }
+          if (ev.data) draw(JSON.parse(ev.data));
+        }
+      }
+    } catch (e) {
+      // the server went away or the stream broke: try again below
+    }
+    status("reconnecting…", "down");
+    await sleep(2000);
+  }
+}
+
 async function start() {
+  setInterval(tick, 1000);
   try {
-    const r = await fetch(`/dashboard/state${query}`);
+    const r = await get(`/dashboard/state${query}`);
     if (r.ok) draw(await r.json());
     else status(`state: HTTP ${r.status}`, "down");
   } catch (e) {
     status("server unreachable", "down");
   }
-  const events = new EventSource(`/dashboard/events${query}`);
-  events.onopen = () => status("live", "live");
-  events.onmessage = (e) => draw(JSON.parse(e.data));
-  events.onerror = () => status("reconnecting…", "down");
-  events.addEventListener("end", (e) => {
-    status(`server stopped: ${JSON.parse(e.data).error.message}`, "down");
-    events.close();
-  });
-  setInterval(tick, 1000);
+  follow();
 }
 
 start();
