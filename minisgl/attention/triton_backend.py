@@ -78,16 +78,21 @@ class TritonAttnBackend(BaseAttnBackend):
         reqs = batch.padded_reqs
         extend_lens = [r.extend_len for r in reqs]
         qo = [0, *itertools.accumulate(extend_lens)]
+        # One copy for the three, each part starting on 16 bytes: Triton compiles a kernel
+        # again for a pointer that is not (its alignment is part of the specialisation), so
+        # unaligned parts would build new kernels for some batch sizes mid-run.
+        bs = len(reqs)
+        gap = [0] * (-bs % 4)
+        at = bs + len(gap)
         host = to_device(
-            [r.table_idx for r in reqs] + [r.device_len for r in reqs] + qo,
+            [r.table_idx for r in reqs] + gap + [r.device_len for r in reqs] + gap + qo,
             self.device,
             torch.int32,
         )
-        bs = len(reqs)
         batch.attn_metadata = TritonMetadata(
-            qo_indptr=host[2 * bs :],
+            qo_indptr=host[2 * at :],
             rows=host[:bs],
-            seq_lens=host[bs : 2 * bs],
+            seq_lens=host[at : at + bs],
             max_extend_len=max(extend_lens),
         )
 

@@ -33,6 +33,7 @@ import triton.language as tl
 from minisgl.kernels.attention import (
     DECODE_BLOCK_N,
     _attend_range,
+    _dot_dtype,
     decode_launch,
     decode_num_splits,
 )
@@ -121,6 +122,7 @@ def _decode_qkv_kernel(
         tl.store(V + at, _cached(v, V), mask=store)
         tl.debug_barrier()  # the loads below read this key back
 
+    q = _dot_dtype(q, K)
     m_i, l_i, acc = _attend_range(
         q, K, V, PageTable + row * stride_pt, start, end, kv_head, stride_ks, stride_kh,
         stride_vs, stride_vh, offs_d, d_mask, sm_scale, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
