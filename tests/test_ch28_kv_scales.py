@@ -69,7 +69,7 @@ def attention(q, keys, values, q_pos, sm_scale) -> torch.Tensor:
 
 def test_store_kv_holds_x_over_its_layers_scale() -> None:
     pool = MHAKVCache(2, 8, 4, 2, 16, FP8, DEV)
-    pool.set_scales([1.0, KS], [1.0, VS])
+    pool.k_scale, pool.v_scale = [1.0, KS], [1.0, VS]
     x = torch.randn(10, 2, 16, generator=torch.Generator().manual_seed(0)).to(DEV) * 200
     slots = torch.arange(3, 13, device=DEV)
     pool.store_kv(x, -x, slots, 1)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.quant.kv_scales import widen  # [ch28]
 from minisgl.utils import to_device
 
 if TYPE_CHECKING:
@@ -28,17 +29,6 @@ def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
 
 
-# >>> ch28
-def widen(
-    keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, scales: tuple[float, float]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values as read from the cache, in `dtype`: an FP8 cache's stored * scale."""
-    if keys.dtype == dtype:  # a cache in the model's dtype holds them as they are
-        return keys, values
-    return keys.to(dtype) * scales[0], values.to(dtype) * scales[1]
-
-
-# <<< ch28
 @dataclass
 class TorchAttnMetadata(BaseAttnMetadata):
     cu_seqlens_q: torch.Tensor  # [bs + 1] int32: request i's new tokens are q[cu[i]:cu[i+1]]

@@ -32,10 +32,7 @@ class MHAKVCache:
         # zeros, not empty: attention may read (and mask) stale slots, which must not be NaN
         self._k = torch.zeros(shape, dtype=dtype, device=device)
         self._v = torch.zeros(shape, dtype=dtype, device=device)
-        # >>> ch28 an FP8 cache's scales, one per layer: it holds x / scale and reads back
-        # stored * scale. 1.0 (as stored) unless calibrated ones are set (`set_scales`).
-        self.k_scale, self.v_scale = [1.0] * num_layers, [1.0] * num_layers
-        # <<< ch28
+        self.k_scale, self.v_scale = [1.0] * num_layers, [1.0] * num_layers  # see scales  # [ch28]
 
     @property
     def dummy_page(self) -> int:
@@ -62,23 +59,16 @@ class MHAKVCache:
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
     ) -> None:
-        # >>> ch28 x / scale, as x times its reciprocal in fp32: what the kernels compute
-        if self.dtype == torch.float8_e4m3fn:
-            k = k.float() * (1 / self.k_scale[layer_id])
-            v = v.float() * (1 / self.v_scale[layer_id])
-        # <<< ch28
+        if self.dtype == torch.float8_e4m3fn:  # x / scale, as x * (1 / scale) in fp32  # [ch28]
+            ks, vs = self.scales(layer_id)  # [ch28]
+            k, v = k.float() * (1 / ks), v.float() * (1 / vs)  # [ch28]
         self.k_cache(layer_id)[out_loc] = k.to(self.dtype)  # an FP8 cache: cast, saturating
         self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
 
     # >>> ch28
-    def set_scales(self, k_scale: list[float], v_scale: list[float]) -> None:
-        """Each layer's scales, before the first forward: the kernels take them as numbers,
-        so a CUDA graph keeps the ones it was captured with."""
-        assert len(k_scale) == len(v_scale) == len(self.k_scale)
-        self.k_scale, self.v_scale = [float(s) for s in k_scale], [float(s) for s in v_scale]
-
     def scales(self, layer_id: int) -> tuple[float, float]:
-        """(k_scale, v_scale) of a layer: a stored key times k_scale is the key."""
+        """An FP8 cache's (k_scale, v_scale) of a layer: it holds x / scale, and a stored key
+        times k_scale is the key. 1.0 unless calibrated (set before the first forward)."""
         return self.k_scale[layer_id], self.v_scale[layer_id]
 
     # <<< ch28

@@ -15,7 +15,9 @@ multiplier (x = stored * scale), under one of two names:
 
 The loader hands each such tensor to `KVScales.take` instead of a parameter, and hangs
 what it found on the model; the engine gives them to an FP8 cache (`use_kv_scales`) and
-ignores them, saying so once, for a cache in the model's dtype.
+ignores them, saying so once, for a cache in the model's dtype. The cache (`MHAKVCache`)
+holds them, every path that writes it divides by them, and every path that reads it
+multiplies: `widen` is how the reference backend reads.
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ import logging
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
-from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.quant.fp8 import FP8
+
+if TYPE_CHECKING:
+    from minisgl.kvcache.mha_pool import MHAKVCache
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +106,17 @@ def use_kv_scales(model: nn.Module, cache: MHAKVCache) -> None:
         return
     k = [scales.k[i] for i in range(scales.num_layers)]
     v = [scales.v[i] for i in range(scales.num_layers)]
-    cache.set_scales(k, v)
+    cache.k_scale, cache.v_scale = k, v  # before the first forward: a graph keeps its numbers
     logger.info(
         "FP8 KV cache with the checkpoint's scales: k_scale %.3g-%.3g, v_scale %.3g-%.3g",
         min(k), max(k), min(v), max(v),
     )  # fmt: skip
+
+
+def widen(
+    keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype, scales: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as read from the cache, in `dtype`: an FP8 cache's stored * scale."""
+    if keys.dtype == dtype:  # a cache in the model's dtype holds them as they are
+        return keys, values
+    return keys.to(dtype) * scales[0], values.to(dtype) * scales[1]
