@@ -1,7 +1,7 @@
 """An FP8 KV cache's scales: one for the keys and one for the values of each layer.
 
-e4m3 holds magnitudes from 2^-9 to 448 with 3 bits of mantissa, and below 2^-6 with fewer
-(its subnormals). Keys and values stored as they are (a scale of 1.0, the default, as in
+e4m3 holds magnitudes from 2^-6 to 448 with 3 bits of mantissa, and from 2^-9 up to 2^-6
+with fewer (its subnormals). Keys and values stored as they are (a scale of 1.0, the default, as in
 vLLM) lose precision where they are small and saturate beyond 448. A scale moves a layer's
 range onto e4m3's: the cache holds x / scale and reads back stored * scale, so a scale of
 max|x| / 448, measured on sample text, fills the format. One number per layer, not per
