@@ -144,6 +144,36 @@ def time_shape(
     return lib, mm, times[best], best
 
 
+def chat_prompts(model: str, n: int) -> list[str]:
+    """The first n of PROMPTS as user turns in the model's chat template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in PROMPTS[:n]
+    ]
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+
+
+def agreement(runs: list[list[int]], others: list[list[int]], max_tokens: int) -> str:
+    """How much of the greedy text of `others` is that of `runs`, prompt by prompt, in words."""
+    prefix = [first_difference(a, b) for a, b in zip(runs, others)]
+    equal = sum(x == y for a, b in zip(runs, others) for x, y in zip(a, b))
+    total = sum(len(a) for a in runs)
+    whole = sum(p == max_tokens for p in prefix)
+    return (
+        f"{whole}/{len(prefix)} prompts identical to the end; median "
+        f"{statistics.median(prefix):.0f} of {max_tokens} tokens before the first difference; "
+        f"{equal}/{total} tokens equal ({100 * equal / total:.0f}%)"
+    )
+
+
 def bench_agreement(args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
@@ -151,12 +181,7 @@ def bench_agreement(args: argparse.Namespace) -> None:
     from minisgl.llm import LLM
 
     tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = [
-        tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
-        )
-        for q in PROMPTS[: args.prompts]
-    ]
+    prompts = chat_prompts(args.model, args.prompts)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     runs = {}
     for label, path, quantization in [
@@ -167,22 +192,15 @@ def bench_agreement(args: argparse.Namespace) -> None:
                   quantization=quantization, max_running_req=len(prompts))  # fmt: skip
         runs[label] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
-    prefix = []
     for q, a, b in zip(PROMPTS, runs["model"], runs["fp8"]):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        prefix.append(same)
+        same = first_difference(a, b)
         print(f"{q!r}: {same}/{len(a)} tokens before the first difference")
         if same < len(a):
             print(f"   model: {tok.decode(a)!r}\n   fp8:   {tok.decode(b)!r}")
-    equal = sum(x == y for a, b in zip(runs["model"], runs["fp8"]) for x, y in zip(a, b))
-    total = sum(len(a) for a in runs["model"])
     how = f"from {args.fp8_model}" if args.fp8_model else "per row, quantised on load"
-    whole = sum(p == args.max_tokens for p in prefix)
     print(
-        f"\n{args.model}, {args.dtype} on {args.device}, FP8 {how}: {whole}/{len(prefix)} "
-        f"prompts identical to the end; median {statistics.median(prefix):.0f} of "
-        f"{args.max_tokens} tokens before the first difference; {equal}/{total} tokens equal "
-        f"({100 * equal / total:.0f}%)"
+        f"\n{args.model}, {args.dtype} on {args.device}, FP8 {how}: "
+        f"{agreement(runs['model'], runs['fp8'], args.max_tokens)}"
     )
 
 

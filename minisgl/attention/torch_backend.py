@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.quant.kv_scales import widen  # [ch28]
 from minisgl.utils import to_device
 
 if TYPE_CHECKING:
@@ -87,9 +88,16 @@ class TorchAttnBackend(BaseAttnBackend):
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         window = None
         window = self.window(layer_id)  # [ch29]
+        scales = self.kv_cache.scales(layer_id)  # [ch28]
         if md.max_seqlen_q == 1:
-            return self._decode(q, k_cache, v_cache, md, window)
-        return self._extend(q, k_cache, v_cache, md, window)
+            return self._decode(
+                q, k_cache, v_cache, md, window,
+                scales,  # [ch28]
+            )  # fmt: skip
+        return self._extend(
+            q, k_cache, v_cache, md, window,
+            scales,  # [ch28]
+        )  # fmt: skip
 
     def _decode(
         self,
@@ -98,6 +106,7 @@ class TorchAttnBackend(BaseAttnBackend):
         v_cache: torch.Tensor,
         md: TorchAttnMetadata,
         window: int | None,
+        scales: tuple[float, float],  # an FP8 cache's (k_scale, v_scale)  # [ch28]
     ) -> torch.Tensor:
         # One query per request: pad every request's K/V to the longest and mask the rest,
         # so the whole batch is one attention call.
@@ -105,7 +114,7 @@ class TorchAttnBackend(BaseAttnBackend):
         slots = md.page_table[:, :max_len].long()  # [bs, L]
         keys = gather_slots(k_cache, slots).transpose(1, 2)  # [bs, kv_heads, L, head_dim]
         values = gather_slots(v_cache, slots).transpose(1, 2)
-        keys, values = keys.to(q.dtype), values.to(q.dtype)  # an FP8 cache: to q's dtype  # [ch28]
+        keys, values = widen(keys, values, q.dtype, scales)  # an FP8 cache  # [ch28]
         positions = torch.arange(max_len, device=q.device)
         mask = positions[None, :] < md.cache_seqlens[:, None]
         if window is not None:  # the query sits at seq_len - 1  # [ch29]
@@ -123,6 +132,7 @@ class TorchAttnBackend(BaseAttnBackend):
         v_cache: torch.Tensor,
         md: TorchAttnMetadata,
         window: int | None,
+        scales: tuple[float, float],  # an FP8 cache's (k_scale, v_scale)  # [ch28]
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         cu = md.cu_seqlens_q.tolist()
@@ -133,7 +143,7 @@ class TorchAttnBackend(BaseAttnBackend):
             slots = md.page_table[i, :seq_len].long()
             keys = gather_slots(k_cache, slots).transpose(0, 1)  # [kv_heads, seq_len, head_dim]
             values = gather_slots(v_cache, slots).transpose(0, 1)
-            keys, values = keys.to(q.dtype), values.to(q.dtype)  # [ch28]
+            keys, values = widen(keys, values, q.dtype, scales)  # [ch28]
             # New token j sits at position seq_len - n + j and sees every position up to it.
             n = end - start
             q_pos = torch.arange(seq_len - n, seq_len, device=q.device)

@@ -49,7 +49,7 @@ class TritonAttnBackend(BaseAttnBackend):
     devices = ("cuda", "cpu")
     auto_devices = ("cuda",)  # on a CPU the interpreter is for checking, never the default
     cuda_graphs = ("decode", "prefill")
-    reads_fp8_kv = True  # the kernels load e4m3 and compute in q's dtype  # [ch28]
+    reads_fp8_kv = True  # the kernels widen e4m3 to q's dtype, the scales outside  # [ch28]
 
     @classmethod
     def unavailable_reason(cls, device: torch.device, dtype: torch.dtype, page_size: int) -> str:
@@ -110,6 +110,7 @@ class TritonAttnBackend(BaseAttnBackend):
                 md.seq_lens,
                 self.scale,
                 self.window(layer_id),  # [ch29]
+                *self.kv_cache.scales(layer_id),  # [ch28]
             )
         return self.kernels.extend_attention(
             q,
@@ -122,6 +123,7 @@ class TritonAttnBackend(BaseAttnBackend):
             md.max_extend_len,
             self.scale,
             self.window(layer_id),  # [ch29]
+            *self.kv_cache.scales(layer_id),  # [ch28]
         )
 
     def decode_from_qkv(
@@ -156,7 +158,8 @@ class TritonAttnBackend(BaseAttnBackend):
             layer.num_heads,
             layer.num_kv_heads,
             layer.head_dim,
-            pdl=pdl_enabled(qkv),
+            pdl_enabled(qkv),
+            *self.kv_cache.scales(layer.layer_id),  # [ch28]
         )
 
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:

@@ -53,6 +53,7 @@ from minisgl.models.families import context_length, sliding  # [ch29]
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
 from minisgl.quant.fp8 import check_device  # [ch28]
+from minisgl.quant.kv_scales import use_kv_scales  # [ch28]
 from minisgl.quant.quantize import quantize_model  # [ch28]
 from minisgl.utils import cdiv, to_device, to_host
 
@@ -137,6 +138,7 @@ class Engine:
             self.kv_dtype,
             self.device,
         )
+        use_kv_scales(self.model, self.kv_cache)  # the checkpoint's, for an FP8 cache  # [ch28]
         # One row per running request plus one for the dummy request; one column per
         # position of the longest sequence, plus one for the token sampled after it.
         rows = config.max_running_req + 1

@@ -103,6 +103,7 @@ def _attend_range(
 def _decode_split_kernel(
     Q, K, V, PageTable, Rows, SeqLens, OutPartial, LsePartial,
     sm_scale,
+    v_scale,  # an FP8 cache's values: stored * v_scale (k_scale is in sm_scale)  # [ch28]
     window,  # keys older than the last `window` positions are not attended  # [ch29]
     stride_qb, stride_qh,
     stride_ks, stride_kh,
@@ -143,6 +144,7 @@ def _decode_split_kernel(
     # the last ones can be empty) weighs nothing in the merge.
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = out * v_scale  # the weights sum to 1: scaling the sum scales every value  # [ch28]
     lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
     tl.store(
         OutPartial + b * stride_ob + heads[:, None] * stride_oh + split * stride_os
@@ -181,6 +183,7 @@ def _decode_merge_kernel(
 def _extend_kernel(
     Q, K, V, Out, PageTable, Rows, SeqLens, QoIndptr,
     sm_scale,
+    v_scale,  # [ch28]
     window,  # [ch29]
     stride_qt, stride_qh,
     stride_ks, stride_kh,
@@ -234,6 +237,7 @@ def _extend_kernel(
         )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = out * v_scale  # [ch28]
     tl.store(
         Out + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
         out.to(Out.dtype.element_ty),
@@ -310,9 +314,12 @@ def decode_attention(
     seq_lens: torch.Tensor,
     sm_scale: float,
     window: int | None = None,  # [ch29]
+    k_scale: float = 1.0,  # an FP8 cache's keys and values are stored * these  # [ch28]
+    v_scale: float = 1.0,  # [ch28]
 ) -> torch.Tensor:
     """q [bs, q_heads, head_dim]; k/v_cache [slots, kv_heads, head_dim]; rows, seq_lens [bs];
     window: attend to the last `window` positions only."""
+    sm_scale *= k_scale  # q . (k * k_scale) = (q . k) * k_scale: no work per key  # [ch28]
     bs, q_heads, head_dim = q.shape
     kv_heads = k_cache.size(1)
     group = q_heads // kv_heads
@@ -324,6 +331,7 @@ def decode_attention(
     _decode_split_kernel[(bs, kv_heads, splits)](
         q, k_cache, v_cache, page_table, rows, seq_lens, partial, lse,
         sm_scale,
+        v_scale,  # [ch28]
         window or NO_WINDOW,  # [ch29]
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),
@@ -357,10 +365,13 @@ def extend_attention(
     max_extend_len: int,
     sm_scale: float,
     window: int | None = None,  # [ch29]
+    k_scale: float = 1.0,  # [ch28]
+    v_scale: float = 1.0,  # [ch28]
 ) -> torch.Tensor:
     """q [tokens, q_heads, head_dim]: request i's new tokens are q[qo_indptr[i]:qo_indptr[i+1]],
     the last positions of its `seq_lens[i]`; each sees its cached prefix and, causally, the
     new tokens before it."""
+    sm_scale *= k_scale  # [ch28]
     tokens, q_heads, head_dim = q.shape
     kv_heads = k_cache.size(1)
     bs = rows.size(0)
@@ -370,6 +381,7 @@ def extend_attention(
     _extend_kernel[grid](
         q, k_cache, v_cache, out, page_table, rows, seq_lens, qo_indptr,
         sm_scale,
+        v_scale,  # [ch28]
         window or NO_WINDOW,  # [ch29]
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1),

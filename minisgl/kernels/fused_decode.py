@@ -72,6 +72,7 @@ def _load_cg(ptrs, mask):
 def _decode_qkv_kernel(
     QKV, K, V, Out, PageTable, Rows, SeqLens, Positions, OutLoc, CosSin, QW, KW, eps,
     OutPartial, LsePartial, Counters, sm_scale,
+    k_inv, v_inv, v_scale,  # an FP8 cache: k * k_inv stored, stored * v_scale read  # [ch28]
     stride_t, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt, stride_cs,
     stride_ob, stride_oh, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -112,12 +113,14 @@ def _decode_qkv_kernel(
             qkv, Q_HEADS + kv_head + 0 * offs_h, first, offs_d, partner, sign, cos, sin, KW,
             eps, HEAD_DIM, QK_NORM,
         )  # fmt: skip
+        k = k * k_inv  # [ch28]
         slot = tl.load(OutLoc + b).to(tl.int64)
         store = first[:, None] & d_mask[None, :]
         at = slot * stride_ks + kv_head * stride_kh + 0 * offs_h[:, None] + offs_d[None, :]
         tl.store(K + at, _cached(k, K), mask=store)
         v_ptrs = qkv + (Q_HEADS + KV_HEADS + kv_head) * HEAD_DIM + 0 * offs_h[:, None]
         v = tl.load(v_ptrs + offs_d[None, :], mask=store, other=0.0)
+        v = v * v_inv  # [ch28]
         at = slot * stride_vs + kv_head * stride_vh + 0 * offs_h[:, None] + offs_d[None, :]
         tl.store(V + at, _cached(v, V), mask=store)
         tl.debug_barrier()  # the loads below read this key back
@@ -132,6 +135,7 @@ def _decode_qkv_kernel(
     out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     has_keys = l_i > 0
     out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = out * v_scale  # [ch28]
     if used == 1:
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
     else:
@@ -196,11 +200,14 @@ def decode_attention_qkv(
     kv_heads: int,
     head_dim: int,
     pdl: bool = False,
+    k_scale: float = 1.0,  # an FP8 cache's keys and values are stored * these  # [ch28]
+    v_scale: float = 1.0,  # [ch28]
 ) -> torch.Tensor:
     """One decode token per request: qkv [bs, (q_heads + 2 kv_heads) * head_dim] ->
     attention output [bs, q_heads, head_dim]; each token's key (rotated, and normed with
     q/k_weight) and value are stored at out_loc on the way. Equal to `qk_rope_store`
     followed by `decode_attention`."""
+    sm_scale *= k_scale  # [ch28]
     assert qkv.stride(-1) == 1 and head_dim % 2 == 0 and q_heads % kv_heads == 0
     bs, group = qkv.size(0), q_heads // kv_heads
     splits = decode_num_splits(bs, kv_heads)
@@ -215,6 +222,7 @@ def decode_attention_qkv(
         qkv, k_cache, v_cache, out, page_table, rows, seq_lens, positions, out_loc, cos_sin,
         q_weight if qk_norm else cos_sin, k_weight if qk_norm else cos_sin, eps,
         partial, lse, counters, sm_scale,
+        1 / k_scale, 1 / v_scale, v_scale,  # [ch28]
         qkv.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), page_table.stride(0), cos_sin.stride(0),
         out.stride(0), out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),

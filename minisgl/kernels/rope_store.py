@@ -29,6 +29,7 @@ from minisgl.kernels.fp8_gemv import _round_to_e4m3  # [ch28]
 @triton.jit(do_not_specialize=["tokens"])
 def _qk_rope_store_kernel(
     QKV, Q_OUT, K_CACHE, V_CACHE, positions, out_loc, cos_sin, q_weight, k_weight, eps, tokens,
+    k_inv, v_inv,  # an FP8 cache holds k * k_inv and v * v_inv (1 / its scales)  # [ch28]
     stride_t, stride_qo_t, stride_qo_h, stride_kc_s, stride_kc_h, stride_vc_s, stride_vc_h,
     stride_cs,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -86,14 +87,16 @@ def _qk_rope_store_kernel(
         kv_head = h - Q_HEADS
         slot = tl.load(out_loc + t, mask=t_mask, other=0).to(tl.int64)  # any page layout
         k_out = K_CACHE + slot[:, None] * stride_kc_s + kv_head * stride_kc_h
+        y1, y2 = y1 * k_inv, y2 * k_inv  # [ch28]
         tl.store(k_out + offs[None, :], _cached(y1, K_CACHE), mask=mask)
         tl.store(k_out + half + offs[None, :], _cached(y2, K_CACHE), mask=mask)
-        tl.store(k_out + offs_p[None, :], _cached(xp.to(dtype), K_CACHE), mask=mask_p)  # [ch29]
+        tl.store(k_out + offs_p[None, :], _cached(xp * k_inv, K_CACHE), mask=mask_p)  # [ch29]
         v_rows = rows + KV_HEADS * HEAD_DIM  # the value head sits KV_HEADS heads further on
         v_out = V_CACHE + slot[:, None] * stride_vc_s + kv_head * stride_vc_h
         offs_d = tl.arange(0, BLOCK_HEAD)
         v_mask = t_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         v = tl.load(v_rows + offs_d[None, :], mask=v_mask)
+        v = v * v_inv  # [ch28]
         tl.store(v_out + offs_d[None, :], _cached(v, V_CACHE), mask=v_mask)
 
 
@@ -138,6 +141,8 @@ def qk_rope_store(
     q_heads: int,
     kv_heads: int,
     head_dim: int,
+    k_scale: float = 1.0,  # an FP8 cache's keys and values are stored * these  # [ch28]
+    v_scale: float = 1.0,  # [ch28]
 ) -> torch.Tensor:
     """qkv [tokens, (q_heads + 2 kv_heads) * head_dim] -> rotated q [tokens, q_heads, head_dim];
     the rotated keys and the values land in k/v_cache [slots, kv_heads, head_dim] at out_loc.
@@ -154,6 +159,7 @@ def qk_rope_store(
     _qk_rope_store_kernel[(triton.cdiv(tokens, block_t), q_heads + kv_heads)](
         qkv, q, k_cache, v_cache, positions, out_loc, cos_sin,
         q_weight if qk_norm else cos_sin, k_weight if qk_norm else cos_sin, eps, tokens,
+        1 / k_scale, 1 / v_scale,  # [ch28]
         qkv.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         cos_sin.stride(0),

@@ -32,6 +32,7 @@ class MHAKVCache:
         # zeros, not empty: attention may read (and mask) stale slots, which must not be NaN
         self._k = torch.zeros(shape, dtype=dtype, device=device)
         self._v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_scale, self.v_scale = [1.0] * num_layers, [1.0] * num_layers  # see scales  # [ch28]
 
     @property
     def dummy_page(self) -> int:
@@ -58,8 +59,19 @@ class MHAKVCache:
     def store_kv(
         self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer_id: int
     ) -> None:
+        if self.dtype == torch.float8_e4m3fn:  # x / scale, as x * (1 / scale) in fp32  # [ch28]
+            ks, vs = self.scales(layer_id)  # [ch28]
+            k, v = k.float() * (1 / ks), v.float() * (1 / vs)  # [ch28]
         self.k_cache(layer_id)[out_loc] = k.to(self.dtype)  # an FP8 cache: cast, saturating
         self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
+
+    # >>> ch28
+    def scales(self, layer_id: int) -> tuple[float, float]:
+        """An FP8 cache's (k_scale, v_scale) of a layer: it holds x / scale, and a stored key
+        times k_scale is the key. 1.0 unless calibrated (set before the first forward)."""
+        return self.k_scale[layer_id], self.v_scale[layer_id]
+
+    # <<< ch28
 
     @staticmethod
     def bytes_per_page(

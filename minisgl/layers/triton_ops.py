@@ -86,6 +86,7 @@ def rope_store(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
         layer.num_heads,
         layer.num_kv_heads,
         layer.head_dim,
+        *kv.scales(layer.layer_id),  # [ch28]
     )
 
 

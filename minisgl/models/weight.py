@@ -19,6 +19,7 @@ from torch import nn
 
 from minisgl.layers.parallel import read_rank_slice  # [ch21]
 from minisgl.models.families import text_model_name  # [ch29]
+from minisgl.quant.kv_scales import KVScales  # [ch28]
 from minisgl.quant.load import Fp8Loader  # [ch28]
 
 # Pieces that are concatenated (along dim 0) into one of our tensors, in this order.
@@ -56,6 +57,7 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
     fp8 = Fp8Loader.open(model, model_path, files, place)  # [ch28]
+    kv_scales = KVScales(len(model.model.layers))  # an FP8 KV cache's scales  # [ch28]
     params = dict(model.named_parameters())  # tied weights appear once, under their first name
     tied_head = "lm_head.weight" not in params
     found: dict[str, dict[tuple[int | None, int | None], torch.Tensor]] = defaultdict(dict)
@@ -70,6 +72,8 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                 if (ours := text_model_name(name)) is None:
                     continue
                 # <<< ch29
+                if kv_scales.take(f, ours):  # [ch28]
+                    continue  # [ch28]
                 target, expert, part = place(ours)
                 if target in params:
                     found[target][expert, part] = _read(f, name, params[target], expert, part)
@@ -81,6 +85,7 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
             f"checkpoint {model_path} does not match the model: "
             f"missing {_show(missing)}; unexpected {_show(sorted(unexpected))}"
         )
+    kv_scales.done(model)  # [ch28]
     with torch.no_grad():
         for name, param in params.items():
             if fp8 is not None:  # [ch28]

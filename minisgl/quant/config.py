@@ -10,6 +10,9 @@ Hugging Face's fine-grained FP8 uses (DeepSeek-V3, Qwen3-*-FP8):
 
 with each quantised weight stored as float8_e4m3fn and, beside it, `<name>.weight_scale_inv`:
 one multiplier per block of 128 x 128 weights. Such a folder loads as it is, with no flag.
+A compressed-tensors config that quantises the KV cache alone (`kv_cache_scheme`, no
+`config_groups`: llm-compressor's FP8 KV recipe) has plain weights and loads too; its
+scales serve `kv_cache_dtype fp8_e4m3` (quant/kv_scales.py).
 Anything else in `quantization_config` is refused here, by name, before a tensor is read.
 """
 
@@ -65,7 +68,7 @@ def check_kv_cache_dtype(name: str, attention_backend: str) -> str:
 def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Checkpoint | None:
     """The checkpoint's own quantisation from config.json's `quantization_config`, or None
     for a checkpoint in plain floating point. Raises ValueError for what cannot be loaded."""
-    if raw is None:
+    if raw is None or _kv_cache_only(raw):
         return None
     method = raw.get("quant_method")
     if method != "fp8":
@@ -89,3 +92,18 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> Fp8Checkpoint | Non
     if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
         raise ValueError(f"weight_block_size must be two positive integers, got {block!r}")
     return Fp8Checkpoint((block[0], block[1]))
+
+
+def _kv_cache_only(raw: dict[str, Any]) -> bool:
+    """Whether a `quantization_config` quantises nothing but the KV cache, in FP8 with one
+    static scale per layer; a KV scheme we do not store is refused."""
+    scheme = raw.get("kv_cache_scheme")
+    if raw.get("quant_method") != "compressed-tensors" or raw.get("config_groups") or not scheme:
+        return False
+    fp8 = scheme.get("type") == "float" and scheme.get("num_bits") == 8
+    if not fp8 or scheme.get("strategy", "tensor") != "tensor" or scheme.get("dynamic"):
+        raise ValueError(
+            f"kv_cache_scheme {scheme} is not supported: only FP8 (type float, 8 bits) with "
+            "one static scale per layer (strategy 'tensor') loads"
+        )
+    return True
