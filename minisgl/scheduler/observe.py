@@ -55,25 +55,27 @@ class StepLog:
         self.ring: deque[list[Any]] = deque(maxlen=STEPS)
         self.count = 0
         self.graphs: dict[tuple[str, int, int], list[int]] = {}  # -> [replays, steps]
+        self.spare: list[Any] = []  # timing events whose step was read or dropped: reused
+
+    def _mark(self) -> Any:
+        """A timing event recorded now on the current stream: a spare one, else a new one
+        (creating one costs more host time than a step at batch 1 can spare)."""
+        event = self.spare.pop() if self.spare else torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def begin(self) -> Any:
         """Before a forward is prepared: its start mark, or None when nobody watches."""
         if not self.on:
             return None
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        return self._mark() if self.cuda else time.perf_counter()
 
     def end(self, batch: Batch, began: Any, engine: Engine) -> None:
         """After the forward is launched: one record (its time is read later on a GPU)."""
         if began is None:
             return
         if self.cuda:
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-            ms: Any = (began, done)
+            ms: Any = (began, self._mark())
         else:
             ms = (time.perf_counter() - began) * 1e3
         graph = engine.graph_runner.can_use_cuda_graph(batch)
@@ -84,6 +86,8 @@ class StepLog:
         self.count += 1
         tokens = sum(r.extend_len for r in batch.reqs)
         chunks = sum(r.mid_prompt for r in batch.reqs)
+        if len(self.ring) == self.ring.maxlen and isinstance(self.ring[0][-1], tuple):
+            self.spare += self.ring[0][-1]  # the step leaving the ring: 256 steps old, done
         self.ring.append(
             [self.count, time.time(), batch.phase, batch.size, tokens, chunks, graph, key[2], ms]
         )
@@ -95,6 +99,7 @@ class StepLog:
                 start, done = rec[-1]
                 if done.query():
                     rec[-1] = start.elapsed_time(done)
+                    self.spare += (start, done)
         cols = [list(c) for c in zip(*self.ring)] if self.ring else [[] for _ in STEP_FIELDS]
         cols[-1] = [None if isinstance(ms, tuple) else round(ms, 3) for ms in cols[-1]]
         return dict(zip(STEP_FIELDS, cols))
