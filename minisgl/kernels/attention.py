@@ -36,17 +36,22 @@ def _dot(a, b, IEEE: tl.constexpr):
     return tl.dot(a, b)
 
 
+# >>> ch28
+def fp16_dots(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+    """Whether the dots run in fp16: bf16 queries over an e4m3 cache. e4m3 widens to fp16
+    exactly, in one instruction per two values (to bf16 it takes several, and on the H200
+    a batch-256 decode over e4m3 keys then took as long as over bf16 ones, at half the
+    bytes); every bf16 value up to fp16's largest, 65504, is an fp16 value too, and the
+    probabilities, in [0, 1], keep more bits in fp16 than in bf16."""
+    return kv_dtype == torch.float8_e4m3fn and q_dtype == torch.bfloat16
+
+
 @triton.jit
-def _dot_dtype(q, K):
-    """q in the dtype the dots run in: its own, except bf16 queries over an e4m3 cache,
-    which multiply in fp16. e4m3 widens to fp16 exactly, in one instruction per two values
-    (to bf16 it takes several), and every bf16 value up to fp16's largest, 65504, is an
-    fp16 value too; the probabilities, in [0, 1], keep more bits in fp16 than in bf16."""
-    # >>> ch28
-    if K.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
-        return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    # <<< ch28
-    return q
+def _fp16(q):
+    return tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+
+
+# <<< ch28
 
 
 @triton.jit
@@ -113,6 +118,7 @@ def _decode_split_kernel(
     stride_lb, stride_lh,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    FP16_DOTS: tl.constexpr = False,  # [ch28]
 ):  # fmt: skip
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(SeqLens + b)
@@ -133,7 +139,8 @@ def _decode_split_kernel(
         mask=h_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q = _dot_dtype(q, K)
+    if FP16_DOTS:  # [ch28]
+        q = _fp16(q)  # [ch28]
 
     m_i, l_i, acc = _attend_range(
         q, K, V, PageTable + row * stride_pt, start, end, kv_head, stride_ks, stride_kh,
@@ -192,6 +199,7 @@ def _extend_kernel(
     stride_pt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    FP16_DOTS: tl.constexpr = False,  # [ch28]
 ):  # fmt: skip
     b, head, block_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(QoIndptr + b)
@@ -213,7 +221,8 @@ def _extend_kernel(
         mask=m_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
-    q = _dot_dtype(q, K)
+    if FP16_DOTS:  # [ch28]
+        q = _fp16(q)  # [ch28]
     q_pos = prefix + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -341,6 +350,7 @@ def decode_attention(
         lse.stride(0), lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, IEEE=q.dtype == torch.float32,
+        FP16_DOTS=fp16_dots(q.dtype, k_cache.dtype),  # [ch28]
         **launch.options(),
     )  # fmt: skip
     out = torch.empty_like(q)
@@ -391,5 +401,6 @@ def extend_attention(
         GROUP=q_heads // kv_heads, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         IEEE=q.dtype == torch.float32, **launch.options(),
+        FP16_DOTS=fp16_dots(q.dtype, k_cache.dtype),  # [ch28]
     )  # fmt: skip
     return out

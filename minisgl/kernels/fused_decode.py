@@ -33,9 +33,10 @@ import triton.language as tl
 from minisgl.kernels.attention import (
     DECODE_BLOCK_N,
     _attend_range,
-    _dot_dtype,
+    _fp16,  # [ch28]
     decode_launch,
     decode_num_splits,
+    fp16_dots,  # [ch28]
 )
 from minisgl.kernels.pdl import pdl_launch, pdl_wait
 from minisgl.kernels.rope_store import _cached
@@ -79,6 +80,7 @@ def _decode_qkv_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, QK_NORM: tl.constexpr,
     IEEE: tl.constexpr, PDL: tl.constexpr,
+    FP16_DOTS: tl.constexpr = False,  # [ch28]
 ):  # fmt: skip
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pdl_wait(PDL)
@@ -125,7 +127,8 @@ def _decode_qkv_kernel(
         tl.store(V + at, _cached(v, V), mask=store)
         tl.debug_barrier()  # the loads below read this key back
 
-    q = _dot_dtype(q, K)
+    if FP16_DOTS:  # [ch28]
+        q = _fp16(q)  # [ch28]
     m_i, l_i, acc = _attend_range(
         q, K, V, PageTable + row * stride_pt, start, end, kv_head, stride_ks, stride_kh,
         stride_vs, stride_vh, offs_d, d_mask, sm_scale, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
@@ -232,5 +235,6 @@ def decode_attention_qkv(
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
         QK_NORM=qk_norm,
         IEEE=qkv.dtype == torch.float32, **launch.options(), **pdl_launch(pdl),
+        FP16_DOTS=fp16_dots(qkv.dtype, k_cache.dtype),  # [ch28]
     )  # fmt: skip
     return out

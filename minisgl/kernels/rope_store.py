@@ -87,9 +87,10 @@ def _qk_rope_store_kernel(
         kv_head = h - Q_HEADS
         slot = tl.load(out_loc + t, mask=t_mask, other=0).to(tl.int64)  # any page layout
         k_out = K_CACHE + slot[:, None] * stride_kc_s + kv_head * stride_kc_h
-        y1, y2 = y1 * k_inv, y2 * k_inv  # [ch28]
-        tl.store(k_out + offs[None, :], _cached(y1, K_CACHE), mask=mask)
-        tl.store(k_out + half + offs[None, :], _cached(y2, K_CACHE), mask=mask)
+        k1, k2 = y1, y2
+        k1, k2 = y1 * k_inv, y2 * k_inv  # (new names: a branch may not change y1's type)  # [ch28]
+        tl.store(k_out + offs[None, :], _cached(k1, K_CACHE), mask=mask)
+        tl.store(k_out + half + offs[None, :], _cached(k2, K_CACHE), mask=mask)
         tl.store(k_out + offs_p[None, :], _cached(xp * k_inv, K_CACHE), mask=mask_p)  # [ch29]
         v_rows = rows + KV_HEADS * HEAD_DIM  # the value head sits KV_HEADS heads further on
         v_out = V_CACHE + slot[:, None] * stride_vc_s + kv_head * stride_vc_h
