@@ -49,12 +49,17 @@ def gather_penalties(reqs: list[Req], token_pool: torch.Tensor, vocab: int) -> P
     pos = torch.arange(width, device=device, dtype=torch.float32)[None, :]
     known = pos < lengths
     tokens = torch.where(known, tokens, tokens[:, :1])
-    # Each token's count among the generated ones, from those sorted (vocab sorts last).
-    generated = torch.where(known & (pos >= prompt_lens), tokens, vocab).sort(dim=-1).values
-    counts = torch.searchsorted(generated, tokens, right=True) - torch.searchsorted(
-        generated, tokens
-    )
-    return Penalties(presence, frequency, repetition, tokens, counts.float())
+    counts = output_counts(tokens, known & (pos >= prompt_lens), vocab)
+    return Penalties(presence, frequency, repetition, tokens, counts)
+
+
+def output_counts(tokens: torch.Tensor, generated: torch.Tensor, vocab: int) -> torch.Tensor:
+    """How often each of `tokens` [bs, width] occurs where `generated`, as floats: counted in
+    the generated tokens sorted (the others as `vocab`, which sorts last), not in a tensor
+    as large as the logits."""
+    ordered = torch.where(generated, tokens, vocab).sort(dim=-1).values
+    after = torch.searchsorted(ordered, tokens, right=True)
+    return (after - torch.searchsorted(ordered, tokens)).float()
 
 
 def apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
