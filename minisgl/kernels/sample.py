@@ -105,7 +105,7 @@ def _sample_chunk_kernel(
     offs = chunk * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
     row_x = X + row * stride_x
-    x = tl.load(row_x + offs, mask=inside, other=float("-inf"))
+    x = tl.load(row_x + offs, mask=inside, other=float("-inf")).to(tl.float32)
     if tl.load(IS_GREEDY + row):
         value, index = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
         index = (chunk * BLOCK + index).to(tl.int64)
@@ -129,7 +129,7 @@ def _sample_chunk_kernel(
                 _, local = tl.max(rest, 0, return_indices=True)
                 at = (chunk * BLOCK + local).to(tl.int64)
                 # as torch rounds it: x / T, then + noise (a candidate is a kept logit)
-                exact = tl.div_rn(tl.load(row_x + at), temperature)
+                exact = tl.div_rn(tl.load(row_x + at).to(tl.float32), temperature)
                 exact += _exact_noise(_token_bits(seed, position, at))
                 better = (exact > value) | ((exact == value) & (at < index))
                 value = tl.where(better, exact, value)
@@ -154,12 +154,14 @@ def sample_rows(
 ) -> torch.Tensor:
     """One token per row [rows] int64, as engine/sample.py's torch path draws it.
 
-    logits [rows, n] fp32 (last dimension contiguous); temperatures [rows, 1] fp32;
+    logits [rows, n] (last dimension contiguous) fp32, or bf16/fp16 as if turned into fp32
+    first (the same tokens, without the copy); temperatures [rows, 1] fp32;
     is_greedy [rows] bool; seeds, positions [rows] int64; min_kept [rows, 1] fp32 or None:
     a sampled row draws among its logits >= min_kept only.
     """
     rows, n = logits.shape
-    assert logits.stride(-1) == 1 and logits.dtype == torch.float32
+    assert logits.stride(-1) == 1 and is_greedy.is_contiguous()
+    assert seeds.is_contiguous() and positions.is_contiguous()
     chunks = triton.cdiv(n, CHUNK)
     values = torch.empty(rows, chunks, dtype=torch.float32, device=logits.device)
     indices = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
