@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.core import Req, SamplingParams
+from minisgl.engine.penalty import apply_penalties, gather_penalties
 from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
 
 VOCAB = 50
@@ -120,3 +121,35 @@ def test_mixed_batch_greedy_rows_stay_greedy() -> None:
     assert tokens[0] == logits[0].argmax().item()
     assert tokens[2] == logits[2].argmax().item()
     assert tokens[3] in logits[3].topk(4).indices.tolist()
+
+
+def test_penalties_change_only_seen_tokens_as_defined() -> None:
+    # Against the definitions row by row, on a whole vocabulary: repetition on every token
+    # seen (prompt or output), frequency per occurrence and presence once in the output.
+    gen = torch.Generator().manual_seed(6)
+    pool = torch.randint(0, VOCAB, (5, 40), generator=gen, dtype=torch.int32)
+    params = [
+        SamplingParams(presence_penalty=1.5),
+        SamplingParams(),  # no penalties of its own, in a batch that has some
+        SamplingParams(frequency_penalty=0.5, repetition_penalty=1.25),
+        SamplingParams(presence_penalty=-0.75, frequency_penalty=-0.5, repetition_penalty=0.5),
+    ]
+    reqs = [make_req(p, prompt_len=3 + 4 * i, uid=i) for i, p in enumerate(params)]
+    for req, generated in zip(reqs, (9, 0, 21, 2)):
+        req.device_len += generated
+    logits = torch.randn(4, VOCAB, generator=gen) * 3
+    original, expected = logits.clone(), logits.clone()
+    for row, req in zip(expected, reqs):
+        p, tokens = req.sampling_params, pool[req.table_idx, : req.device_len].long()
+        counts = torch.bincount(tokens[req.prompt_len :], minlength=VOCAB).float()
+        seen = torch.zeros(VOCAB, dtype=torch.bool).index_fill(0, tokens, True)
+        rep = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        row.copy_(torch.where(seen, rep, row) - p.frequency_penalty * counts)
+        row -= p.presence_penalty * (counts > 0).float()
+    penalties = gather_penalties(reqs, pool, VOCAB)
+    assert penalties is not None
+    got = apply_penalties(logits, penalties)
+    assert got.data_ptr() == logits.data_ptr()  # in place: nothing as large as the logits
+    assert torch.equal(got, expected)
+    changed = (got != original).sum(dim=-1).tolist()
+    assert changed[1] == 0 and min(changed[0], changed[2], changed[3]) > 0

@@ -86,6 +86,11 @@ SMOKE = {
         [*MODEL, "--smoke", "--speculative", "suffix"],
         "| open-chat, batch 2 | held-out |",
     ),
+    "bench_sample.py": (
+        ["--device", "cpu", "--vocab", "3000", "--batch-sizes", "3", "--reps", "1", "--draws", "2"]
+        + ["--cases", "mixed,top_k_top_p,penalties"],
+        "| top_k_top_p | 3 |",
+    ),
     "bench_moe.py": (
         ["--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"]
         + ["--tokens", "7", "--iters", "2", "--warmup", "1"],

@@ -44,7 +44,12 @@ from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt
 from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
 from minisgl.engine.prefill_graph import plan_prefill_graphs  # [ch23]
 from minisgl.engine.ranks import agree_on_limits, join_ranks  # [ch21]
-from minisgl.engine.sample import BatchSamplingArgs, prepare_sampling, sample
+from minisgl.engine.sample import (
+    BatchSamplingArgs,
+    prepare_sampling,
+    sample,
+    warm_up_sampling,  # [ch20]
+)
 from minisgl.engine.verify_graph import plan_verify_graphs  # [ch26]
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -169,6 +174,8 @@ class Engine:
         )
         clock.phases.update(self.graph_runner.capture_seconds)
         # <<< ch18
+        if self.device.type == "cuda":  # [ch20]
+            warm_up_sampling(mc.vocab_size, self.device)  # [ch20]
         self.jit.mark_ready()  # [ch20]
         logger.info("Triton at start-up: %s", self.jit.summary(self.jit.builds))  # [ch20]
         logger.info(

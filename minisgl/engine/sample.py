@@ -28,6 +28,9 @@ class BatchSamplingArgs:
     top_p: torch.Tensor | None = None  # [bs] fp32, None when every request has top_p == 1
     seeds: torch.Tensor | None = None  # [bs] int64
     positions: torch.Tensor | None = None  # [bs] int64: index of the token being drawn
+    # How many of a row's largest logits top-k and top-p look at, at most: the largest top_k,
+    # or the whole vocabulary (0) when a row has a top_p and no top_k.
+    widest: int = 0
 
 
 def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> BatchSamplingArgs:
@@ -38,6 +41,8 @@ def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> 
     top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
     top_ps = [p.top_p for p in params]
     temperatures = [1.0 if g else p.temperature for g, p in zip(is_greedy, params)]
+    limits = [(k, p) for k, p in zip(top_ks, top_ps) if k < vocab_size or p < 1.0]
+    widths = [k if k < vocab_size else 0 for k, _ in limits]
     # Two copies: the floats, and the integers (a seed needs all 64 bits).
     floats = to_device([temperatures, top_ps], device, torch.float32)
     ints = to_device(
@@ -53,21 +58,39 @@ def prepare_sampling(reqs: list[Req], vocab_size: int, device: torch.device) -> 
         top_p=floats[1] if any(p < 1.0 for p in top_ps) else None,
         seeds=ints[2],
         positions=ints[3],
+        widest=0 if 0 in widths else max(widths, default=0),
     )
 
 
 def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     """logits: [bs, vocab] fp32 -> next tokens [bs] int32."""
-    greedy_tokens = argmax(logits)
     if args.greedy:
-        return greedy_tokens.to(torch.int32)
+        return argmax(logits).to(torch.int32)
     assert args.seeds is not None and args.positions is not None and args.is_greedy is not None
-    logits = warp(logits, args)
+    assert args.temperatures is not None
+    # >>> ch20 on a GPU, one kernel reads each row once for its token, greedy or drawn
+    from minisgl.layers.triton_ops import triton_sample
+
+    if (kernel := triton_sample(logits)) is not None:
+        rows = (args.temperatures, args.is_greedy, args.seeds, args.positions)
+        return kernel(logits, *rows, min_kept(logits, args)).to(torch.int32)
+    # <<< ch20
     noise = gumbel_noise(args.seeds, args.positions, logits.size(-1))
-    sampled = argmax(logits + noise)
-    return torch.where(args.is_greedy, greedy_tokens, sampled).to(torch.int32)
+    sampled = argmax(warp(logits, args) + noise)
+    return torch.where(args.is_greedy, argmax(logits), sampled).to(torch.int32)
 
 
+# >>> ch20 the kernel built at start-up, not inside the first request that samples
+def warm_up_sampling(vocab_size: int, device: torch.device) -> None:
+    """Builds the sampling kernel for a GPU's logits, without and with a top-k threshold."""
+    logits = torch.zeros(1, vocab_size, device=device)
+    ones = torch.ones(1, dtype=torch.int64, device=device)
+    for top_k in (None, ones):
+        args = BatchSamplingArgs(False, logits[:, :1] + 1, ones == 0, top_k, None, ones, ones, 1)
+        sample(logits, args)
+
+
+# <<< ch20
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum: [bs, vocab] -> [bs] int64."""
     # >>> ch20 on a GPU, our two-pass kernel: torch's reads a whole row with one SM
@@ -81,30 +104,57 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def warp(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     """The logits whose softmax a non-greedy row draws from: temperature, top-k, top-p."""
-    logits = logits / args.temperatures
-    if args.top_k is not None:
-        logits = _mask_top_k(logits, args.top_k)
+    scaled = logits / args.temperatures
+    floor = min_kept(logits, args)
+    return scaled if floor is None else scaled.masked_fill(logits < floor, float("-inf"))
+
+
+def min_kept(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor | None:
+    """Per row, the smallest logit that top-k and top-p keep [bs, 1]; None: no row has limits.
+
+    A threshold, not a mask: tokens of equal logit are kept or dropped together, and the
+    kernel of the GPU path drops what lies below it as it reads the row. Top-k keeps the
+    logits that reach the k-th largest. Top-p keeps the smallest set of most likely tokens
+    whose probability reaches top_p: a token is dropped when the tokens ranked above it
+    already reach top_p, so the top one always stays. Only the `widest` largest logits of a
+    row are sorted; with no top_k to bound them, all of them.
+    """
+    if args.top_k is None and args.top_p is None:
+        return None
+    vocab, width = logits.size(-1), args.widest or logits.size(-1)
+    if width < vocab:
+        values = logits.topk(width, dim=-1).values
+    else:
+        values = logits.sort(dim=-1, descending=True).values
+    floor = torch.full_like(values[:, :1], float("-inf"))
+    if args.top_k is not None:  # rows without a limit have top_k == vocab
+        kth = values.gather(1, (args.top_k.clamp(max=width) - 1)[:, None])
+        floor = torch.where(args.top_k[:, None] <= width, kth, floor)
     if args.top_p is not None:
-        logits = _mask_top_p(logits, args.top_p)
-    return logits
+        floor = _top_p_floor(logits, values, floor, args.temperatures, args.top_p[:, None])
+    return floor
 
 
-def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    # The k-th largest value per row is the threshold; ties at it are kept.
-    sorted_logits = logits.sort(dim=-1, descending=True).values
-    kth = sorted_logits.gather(-1, (top_k - 1)[:, None])
-    return logits.masked_fill(logits < kth, float("-inf"))
-
-
-def _mask_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    # Keep the smallest set of most likely tokens whose probability reaches top_p; a token is
-    # dropped when the tokens ranked above it already reach top_p, so the top one always stays.
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_above = probs.cumsum(dim=-1) - probs
-    drop_sorted = mass_above >= top_p[:, None]
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+def _top_p_floor(
+    logits: torch.Tensor,
+    values: torch.Tensor,
+    floor: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    # values: each row's largest logits, sorted; floor: what top-k keeps. The probabilities
+    # are those of the logits top-k keeps, scaled by the temperature.
+    scaled = values.masked_fill(values < floor, float("-inf")) / temperatures
+    top = scaled[:, :1].clamp(min=torch.finfo(scaled.dtype).min)  # a row all -inf: no nan
+    weights = (scaled - top).exp()
+    total = weights.sum(dim=-1, keepdim=True)
+    if values.size(-1) < logits.size(-1):  # the k-th logit's ties beyond the sorted ones
+        ties = (logits >= floor).sum(-1, keepdim=True) - (values >= floor).sum(-1, keepdim=True)
+        total = total + ties * (floor / temperatures - top).exp()
+    mass_above = (weights.cumsum(dim=-1) - weights) / total
+    kept = (mass_above < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
+    nucleus = values.gather(1, kept - 1)
+    return torch.where(top_p < 1.0, torch.maximum(floor, nucleus), floor)
 
 
 def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -97,6 +97,14 @@ def triton_argmax(logits: torch.Tensor) -> Callable | None:
     return _triton_kernel("argmax", "argmax_rows") if ENV.FUSED_KERNELS.value else None
 
 
+def triton_sample(logits: torch.Tensor) -> Callable | None:
+    """`kernels.sample.sample_rows` (greedy and drawn rows in one read) for fp32 logits on
+    CUDA, else None."""
+    if triton_argmax(logits) is None or logits.dtype != torch.float32:
+        return None
+    return _triton_kernel("sample", "sample_rows")
+
+
 def decode_from_qkv(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
     """A decode batch's attention output [tokens, heads, head_dim] straight from qkv, in one
     kernel that also does what `rope_store` does (`kernels/fused_decode.py`), where the
