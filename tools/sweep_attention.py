@@ -201,7 +201,7 @@ def main() -> None:
             ]
             print(f"\n== extend, K/V {name}, one prompt of {length} new tokens")
             flops = 2 * 2 * length * (length + 1) / 2 * d * args.q_heads
-            default = attn.extend_launch(length)
+            default = attn.extend_launch(length, kv_dtype)
             results[f"extend {name} {length}"] = sweep(
                 "extend", launches, default, shape.extend(length), args.iters, False,
                 (flops, "TFLOP/s"),
