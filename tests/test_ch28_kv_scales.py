@@ -47,8 +47,10 @@ PROMPT, DECODED = list(range(5, 17)), [7, 8]
 
 
 def stored(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """What an FP8 cache must hold for x: x / scale, saturated at 448, rounded to e4m3."""
-    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    """What an FP8 cache must hold for x: x / scale, saturated at 448, rounded to e4m3. As
+    every store computes it: x * (1 / scale) in fp32 (on a GPU x / scale can differ from
+    that by a unit in the last place, and so land on the other side of an e4m3 midpoint)."""
+    return (x.float() * (1 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
