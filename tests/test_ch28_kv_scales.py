@@ -230,12 +230,14 @@ def test_checkpoint_scales_land_in_an_fp8_cache(tmp_path, names, monkeypatch, ca
     assert (k, v) == AS_STORED
     assert (got - original).abs().max() <= KV_TOL * original.abs().max()
     triton, *_ = teacher_forced(folder, kv_cache_dtype="fp8", attention_backend="triton")
-    torch.testing.assert_close(triton, got, rtol=0, atol=1e-4)
+    # On a GPU the triton backend already stores keys with rope_store: the bound below
+    one_step = 0.01 * original.abs().max().item()
+    torch.testing.assert_close(triton, got, rtol=0, atol=one_step if DEV.type == "cuda" else 1e-4)
     monkeypatch.setattr(triton_ops, "rope_store_kernel", lambda x: qk_rope_store)
     fused, *_ = teacher_forced(folder, kv_cache_dtype="fp8", attention_backend="triton")
     # Their keys differ from the layers' by an fp32 rounding, which can move one that lies
     # at a midpoint of e4m3 (x / scale = 68.00001 here) to the other side: one step.
-    assert (fused - got).abs().max() <= 0.01 * original.abs().max()
+    assert (fused - got).abs().max() <= one_step
     monkeypatch.undo()
     with caplog.at_level(logging.INFO, logger="minisgl.quant.kv_scales"):
         plain, k, v = teacher_forced(folder)
