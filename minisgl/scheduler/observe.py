@@ -84,8 +84,11 @@ class StepLog:
         hits[0] += graph
         hits[1] += 1
         self.count += 1
-        tokens = sum(r.extend_len for r in batch.reqs)
-        chunks = sum(r.mid_prompt for r in batch.reqs)
+        if batch.is_decode:  # one new token a request, none mid-prompt: no loop over them
+            tokens, chunks = batch.size, 0
+        else:
+            tokens = sum(r.extend_len for r in batch.reqs)
+            chunks = sum(r.mid_prompt for r in batch.reqs)
         if len(self.ring) == self.ring.maxlen and isinstance(self.ring[0][-1], tuple):
             self.spare += self.ring[0][-1]  # the step leaving the ring: 256 steps old, done
         self.ring.append(
