@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from minisgl.message.frontend import DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.message.frontend import TokenizeMsg
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -185,22 +185,8 @@ def create_app(
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream(frontend, queue, choices, shape, prompt_tokens, usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        try:
-            while any(c.finish_reason is None for c in choices.values()):
-                delta: DeltaMsg | RejectedMsg | APIError = await queue.get()
-                if isinstance(delta, APIError):  # the server failed or stops: see supervisor.py
-                    frontend.metrics.failed_requests.inc()
-                    raise delta
-                if isinstance(delta, RejectedMsg):  # the scheduler's refusal, after ours
-                    frontend.metrics.failed_requests.inc()
-                    raise APIError(delta.status, delta.message, code=delta.code)
-                choice = choices[delta.uid]
-                frontend.record(choice, delta)
-                choice.text.append(delta.text)
-        finally:
-            unfinished = [c.uid for c in choices.values() if c.finish_reason is None]
-            await frontend.close(list(choices), abort=False)
-            await frontend.close(unfinished, abort=True)
+        async for _ in frontend.results(queue, list(choices.values())):
+            pass
         return JSONResponse(shape.full(list(choices.values()), prompt_tokens))
 
     return app

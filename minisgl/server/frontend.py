@@ -1,9 +1,11 @@
 """The front end's end of the pipes to the workers, shared by the HTTP server and the shell.
 
 Each request is sent to the tokenizer worker; its tokens come back as text deltas on one
-socket that a background task reads and routes to the waiting request by its uid. The
-front end also counts what /metrics reports. It knows nothing of HTTP, so an interactive
-shell can drive the same workers without a web framework.
+socket that a background task reads and routes to the waiting request by its uid. Every
+answer, whole or streamed, of every route and of the shell, reads them through one loop
+(`results`), so that a refusal, a worker's error or the server stopping ends each of them
+the same way. The front end also counts what /metrics reports. It knows nothing of HTTP,
+so an interactive shell can drive the same workers without a web framework.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import zmq.asyncio
@@ -163,8 +166,38 @@ class Frontend:
             queue.put_nowait(reply)  # back in their order, ahead of what came after
 
     # <<< ch25
+    async def results(
+        self, queue: asyncio.Queue, choices: list[Choice]
+    ) -> AsyncIterator[tuple[Choice, DeltaMsg]]:
+        """The choices' deltas as they come, each recorded in its choice, until all have
+        finished. A failure (the scheduler's refusal, a worker's error, the server stopping)
+        is counted and raised as an APIError. However the loop ends, early included (an
+        error, a client that hangs up), the choices still running are aborted."""
+        by_uid = {c.uid: c for c in choices}
+        try:
+            while any(c.finish_reason is None for c in choices):
+                reply: DeltaMsg | RejectedMsg | APIError = await queue.get()
+                if isinstance(reply, APIError | RejectedMsg):
+                    self.metrics.failed_requests.inc()
+                    if isinstance(reply, RejectedMsg):
+                        reply = APIError(reply.status, reply.message, code=reply.code)
+                    raise reply
+                choice = by_uid[reply.uid]
+                self.record(choice, reply)
+                yield choice, reply
+        finally:
+            await self.end(choices)
+
+    async def end(self, choices: list[Choice]) -> None:
+        """Stop routing the choices' results, and abort those still running. A stream calls
+        it too, for the events it sends before its first delta; a second call does nothing."""
+        await self.close([c.uid for c in choices if c.finish_reason is None], abort=True)
+        await self.close([c.uid for c in choices], abort=False)
+
     async def close(self, uids: list[int], abort: bool) -> None:
-        """Stop routing results for these requests; with `abort`, stop computing them too."""
+        """Stop routing results for these requests; with `abort`, stop computing them too.
+        A request already closed is left alone."""
+        uids = [uid for uid in uids if uid in self.queues]
         if abort:
             self.metrics.aborted_requests.inc(len(uids))
         for uid in uids:
@@ -182,6 +215,7 @@ class Frontend:
     def record(self, choice: Choice, delta: DeltaMsg) -> None:
         now = time.perf_counter()
         choice.full.record(delta)  # [ch25]
+        choice.text.append(delta.text)
         if delta.token is not None:
             self.metrics.generation_tokens.inc()
             choice.tokens += 1

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from minisgl.message.frontend import DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.message.frontend import DeltaMsg, TokenizeMsg
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.protocol import INT64_END, MAX_PROMPTS, APIError, Text, TokenId
@@ -174,21 +174,15 @@ class _Answer:
         self.cached_tokens = 0
         self.matched: int | None = None  # the token that ended it, if one did
 
-    async def next(self, frontend: Frontend) -> bool:
-        """Take one delta; False when it was the last."""
-        assert self.queue is not None
-        delta: DeltaMsg | RejectedMsg | APIError = await self.queue.get()
-        if isinstance(delta, APIError | RejectedMsg):
-            frontend.metrics.failed_requests.inc()
-            if isinstance(delta, RejectedMsg):
-                delta = APIError(delta.status, delta.message, code=delta.code)
-            raise delta
-        frontend.record(self.choice, delta)
-        self.choice.text.append(delta.text)
+    def take(self, delta: DeltaMsg) -> None:
+        """What SGLang's answer says of a delta that the choice does not keep."""
         self.cached_tokens = delta.cached_tokens
         if delta.finished:
             self.matched = delta.token
-        return not delta.finished
+
+    def results(self, frontend: Frontend) -> AsyncIterator[tuple[Choice, DeltaMsg]]:
+        assert self.queue is not None
+        return frontend.results(self.queue, [self.choice])
 
     def body(self) -> dict[str, Any]:
         c = self.choice
@@ -266,27 +260,18 @@ def _message(
 
 
 async def _finish(frontend: Frontend, answer: _Answer) -> None:
-    done = False
-    try:
-        while await answer.next(frontend):
-            pass
-        done = True
-    finally:
-        await frontend.close([answer.msg.uid], abort=not done)
+    async for _, delta in answer.results(frontend):
+        answer.take(delta)
 
 
 async def _events(frontend: Frontend, answer: _Answer) -> AsyncIterator[str]:
-    done = False
     try:
-        more = True
-        while more:
-            try:
-                more = await answer.next(frontend)
-            except APIError as e:  # too late for a status: an error event, as the others
-                yield f"data: {json.dumps(e.body())}\n\n"
-                return
+        async for _, delta in answer.results(frontend):
+            answer.take(delta)
             yield f"data: {json.dumps(answer.body())}\n\n"
-        done = True
+    except APIError as e:  # too late for a status: an error event, as the others
+        yield f"data: {json.dumps(e.body())}\n\n"
+    else:
         yield "data: [DONE]\n\n"
-    finally:  # a client that hangs up cancels this generator: abort the request
-        await frontend.close([answer.msg.uid], abort=not done)
+    finally:  # a client that hangs up cancels this generator while it sends: abort now
+        await frontend.end([answer.choice])

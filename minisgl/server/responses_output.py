@@ -20,7 +20,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from minisgl.message.frontend import DeltaMsg, RejectedMsg
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.protocol import APIError
 from minisgl.server.tools import CallDelta, ToolOutput, new_call_id
@@ -192,32 +191,9 @@ class Answer:
         yield self.event("response.output_item.done", output_index=where["output_index"], item=item)
 
 
-async def deltas(frontend: Frontend, queue: asyncio.Queue, answer: Answer) -> AsyncIterator[str]:
-    """The answer's new text, delta by delta, until it finishes."""
-    while answer.choice.finish_reason is None:
-        delta: DeltaMsg | RejectedMsg | APIError = await queue.get()
-        if isinstance(delta, APIError):  # the server failed or stops
-            frontend.metrics.failed_requests.inc()
-            raise delta
-        if isinstance(delta, RejectedMsg):
-            frontend.metrics.failed_requests.inc()
-            raise APIError(delta.status, delta.message, code=delta.code)
-        frontend.record(answer.choice, delta)
-        answer.choice.text.append(delta.text)
-        yield delta.text
-
-
-async def close(frontend: Frontend, answer: Answer) -> None:
-    unfinished = answer.choice.finish_reason is None
-    await frontend.close([answer.choice.uid], abort=unfinished)
-
-
 async def whole(frontend: Frontend, queue: asyncio.Queue, answer: Answer) -> dict[str, Any]:
-    try:
-        async for _ in deltas(frontend, queue, answer):
-            pass
-    finally:
-        await close(frontend, answer)
+    async for _ in frontend.results(queue, [answer.choice]):
+        pass
     answer.finish()
     return answer.response()
 
@@ -231,28 +207,29 @@ async def stream(
     try:
         yield answer.event("response.created", response=answer.response())
         yield answer.event("response.in_progress", response=answer.response())
-        try:
-            async for text in deltas(frontend, queue, answer):
-                finished = answer.choice.finish_reason is not None
-                content, calls = (
-                    (text, []) if answer.tools is None else answer.tools.stream(0, text, finished)
-                )
-                for event in answer.text(content):
-                    yield event
-                for piece in calls:
-                    for event in answer.arguments(piece):
-                        yield event
-        except APIError as e:  # too late for a status: an error event
-            yield answer.event("error", message=e.message, code=e.code, param=e.param)
-            return
-        if not answer.items:  # no text, no call: an empty message still
-            for event in answer.add(answer.message(answer.blank)):
+        async for choice, delta in frontend.results(queue, [answer.choice]):
+            finished = choice.finish_reason is not None
+            content, calls = (
+                (delta.text, [])
+                if answer.tools is None
+                else answer.tools.stream(0, delta.text, finished)
+            )
+            for event in answer.text(content):
                 yield event
-        for event in answer.close(answer.status):
+            for piece in calls:
+                for event in answer.arguments(piece):
+                    yield event
+    except APIError as e:  # too late for a status: an error event
+        yield answer.event("error", message=e.message, code=e.code, param=e.param)
+        return
+    finally:  # a client that hangs up cancels this generator, maybe before the loop began
+        await frontend.end([answer.choice])
+    if not answer.items:  # no text, no call: an empty message still
+        for event in answer.add(answer.message(answer.blank)):
             yield event
-        response = answer.response()
-        keep(response)
-        final = "response.incomplete" if answer.status == "incomplete" else "response.completed"
-        yield answer.event(final, response=response)
-    finally:  # a client that hangs up cancels this generator: abort what is left
-        await close(frontend, answer)
+    for event in answer.close(answer.status):
+        yield event
+    response = answer.response()
+    keep(response)
+    final = "response.incomplete" if answer.status == "incomplete" else "response.completed"
+    yield answer.event(final, response=response)
