@@ -12,10 +12,11 @@ import asyncio
 import signal
 import sys
 import threading
+import time
 
-from minisgl.message.frontend import DeltaMsg, TokenizeMsg
+from minisgl.message.frontend import TokenizeMsg
 from minisgl.sampling_params import SamplingParams
-from minisgl.server.frontend import Frontend
+from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.processes import ProcessTree
 from minisgl.server.protocol import UNLIMITED, APIError
 
@@ -103,24 +104,23 @@ async def _unless_ctrl_c(task: asyncio.Task) -> None:
 async def _stream_reply(
     frontend: Frontend, history: list[dict[str, str]], parts: list[str]
 ) -> bool:
-    """Print the reply as it streams, collecting it in `parts`; False if it was refused."""
+    """Print the reply as it streams, collecting it in `parts`; False if it failed."""
     msg = TokenizeMsg(
         next(frontend.uids),
         SamplingParams(temperature=0.0, max_tokens=UNLIMITED),
         messages=list(history),
     )
-    finished = False
-    try:  # whatever ends the reply early (a refusal, Ctrl-C) aborts its request
+    now = time.perf_counter()
+    choice = Choice(msg.uid, 0, started=now, arrived=now)
+    try:  # whatever ends the reply early (an error, Ctrl-C) aborts its request
         queue, _ = await frontend.open([msg])
-        while not finished:
-            delta: DeltaMsg = await queue.get()
+        async for _, delta in frontend.results(queue, [choice]):
             parts.append(delta.text)
             print(delta.text, end="", flush=True)
-            finished = delta.finished
-        print(flush=True)
-        return True
-    except APIError as e:
+    except APIError as e:  # a refusal, or a worker's error midway
+        if any(parts):
+            print()  # the error on a line of its own
         print(f"error: {e.message}", flush=True)
         return False
-    finally:
-        await frontend.close([msg.uid], abort=not finished)
+    print(flush=True)
+    return True

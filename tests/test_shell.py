@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 from helpers import SMOL, need
 
-from minisgl.message.frontend import DeltaMsg, TokenizeMsg
+from minisgl.message.frontend import DeltaMsg, RejectedMsg, TokenizeMsg
+from minisgl.server.frontend import Frontend
+from minisgl.server.metrics import Metrics
 from minisgl.shell import run_shell
 
 START_TIMEOUT = 180.0  # loading the model on a busy two-core machine
@@ -246,12 +248,14 @@ class ScriptedReply(asyncio.Queue):
         return await super().get()
 
 
-class ScriptedFrontend:
-    """What the shell uses of a Frontend; reply i is `replies[i]`, a list of text pieces that
-    ends with None when the reply finishes (without it, the user presses Ctrl-C)."""
+class ScriptedFrontend(Frontend):
+    """A Frontend without workers; reply i is `replies[i]`, a list of text pieces that ends
+    with None when the reply finishes (without it, the user presses Ctrl-C), or with a
+    worker's message (a RejectedMsg) that ends it."""
 
-    def __init__(self, replies: list[list[str | None]]) -> None:
+    def __init__(self, replies: list[list[str | RejectedMsg | None]]) -> None:
         self.replies = replies
+        self.metrics = Metrics()
         self.uids = itertools.count()
         self.sent: list[list[dict[str, str]]] = []  # each request's messages
         self.aborted: list[int] = []
@@ -265,7 +269,9 @@ class ScriptedFrontend:
         queue = ScriptedReply()
         pieces = self.replies[len(self.sent) - 1]
         for i, text in enumerate(pieces):
-            if text is not None:
+            if isinstance(text, RejectedMsg):
+                queue.put_nowait(RejectedMsg(msg.uid, text.message, text.code, text.status))
+            elif text is not None:
                 last = i + 2 == len(pieces) and pieces[-1] is None
                 queue.put_nowait(DeltaMsg(msg.uid, text, 1, None, None, last, None, 0))
         return queue, 0
@@ -311,3 +317,22 @@ def test_ctrl_c_stops_the_reply_and_keeps_the_conversation(monkeypatch, capsys):
         [user[0], said[0], user[1], said[1], user[2], said[2], user[3]],
         [user[0], said[0], user[1], said[1], user[2], said[2], user[4]],
     ]
+
+
+def test_a_workers_error_is_shown_and_the_chat_goes_on(monkeypatch, capsys):
+    # The tokenizer worker ends a request that hit a bug with a RejectedMsg of status 500.
+    bug = RejectedMsg(0, "internal error while detokenizing the request (KeyError: 7)", status=500)
+    frontend = ScriptedFrontend([["Hel", bug], ["Hi", None]])
+    read, write = os.pipe()
+    os.write(write, b"Hello\nAgain\n/exit\n")
+    os.close(write)
+    monkeypatch.setattr(sys, "stdin", os.fdopen(read))
+    assert asyncio.run(run_shell(frontend, LiveTree())) == 0
+
+    out = capsys.readouterr().out
+    assert "Hel\nerror: internal error while detokenizing the request (KeyError: 7)\n" in out
+    assert "Hi\n" in out
+    assert frontend.aborted == [0], "the failed request is aborted"
+    # A failed reply is not kept, nor is the line that asked for it.
+    user = [{"role": "user", "content": line} for line in ("Hello", "Again")]
+    assert frontend.sent == [user[:1], user[1:]]
