@@ -23,7 +23,12 @@ from minisgl.message.frontend import TokenizeMsg
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from minisgl.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_model,
+)
 from minisgl.server.responses import ResponseShape
 from minisgl.server.responses_api import add_responses_route  # [ch25]
 from minisgl.server.streaming import stream
@@ -104,9 +109,7 @@ def create_app(
     def card(name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": 0, "owned_by": "minisgl"}
 
-    def no_such_model(name: str) -> APIError:
-        message = f"model {name!r} does not exist; this server has {model_name!r}"
-        return APIError(404, message, "model", code="model_not_found")
+    names = (model_name, *aliases)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -114,16 +117,14 @@ def create_app(
 
     @app.get("/v1/models/{name:path}")  # a model's name may hold slashes: org/model
     async def model(name: str) -> dict[str, Any]:
-        if name != model_name and name not in aliases:
-            raise no_such_model(name)
+        check_model(name, names)
         return card(name)
 
     def sampling(
         body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
     ) -> list[SamplingParams]:
         """One SamplingParams per choice, after the checks the request models cannot make."""
-        if body.model != model_name and body.model not in aliases:
-            raise no_such_model(body.model)
+        check_model(body.model, names)
         for param, ids in body.token_ids().items():
             if outside := [t for t in ids if t >= vocab_size]:
                 message = f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})"

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from minisgl.message.frontend import DeltaMsg, TokenizeMsg
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Choice, Frontend
-from minisgl.server.protocol import INT64_END, MAX_PROMPTS, APIError, Text, TokenId
+from minisgl.server.protocol import INT64_END, MAX_PROMPTS, APIError, Text, TokenId, check_model
 
 # SGLang's fields that we take at their defaults only (which are what we do). Routers send
 # some of them on every request, filled in with those defaults.
@@ -209,9 +209,7 @@ def add_generate_route(
 
     @app.post("/generate")
     async def generate(body: GenerateRequest) -> Response:
-        if body.model is not None and body.model not in names:
-            message = f"model {body.model!r} does not exist; this server has {names[0]!r}"
-            raise APIError(404, message, "model", code="model_not_found")
+        check_model(body.model, names)
         sp = body.sampling_params
         if outside := [t for t in sp.stop_token_ids or [] if t >= vocab_size]:
             message = f"token id {outside[0]} is outside the vocabulary [0, {vocab_size})"

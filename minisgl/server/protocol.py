@@ -74,6 +74,13 @@ class APIError(Exception):
         return {"error": err}
 
 
+def check_model(name: str | None, names: tuple[str, ...]) -> None:
+    """A request that names a model must name the served one (`names[0]`) or an alias."""
+    if name is not None and name not in names:
+        message = f"model {name!r} does not exist; this server has {names[0]!r}"
+        raise APIError(404, message, "model", code="model_not_found")
+
+
 def _printable(text: str) -> str:
     # A message may quote the client's input; a lone surrogate in it could not be sent as UTF-8.
     return text.encode("utf-8", "backslashreplace").decode()

@@ -35,6 +35,7 @@ from minisgl.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    check_model,
 )
 from minisgl.tokenizer.tokenizer import Tokenizer
 
@@ -109,14 +110,9 @@ def add_tokenize_routes(
                 loaded.append(await asyncio.to_thread(Tokenizer, model_path))
         return loaded[0]
 
-    def check(model: str | None) -> None:
-        if model is not None and model not in names:
-            message = f"model {model!r} does not exist; this server has {names[0]!r}"
-            raise APIError(404, message, "model", code="model_not_found")
-
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        check(body.model)
+        check_model(body.model, names)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either `prompt` or `messages`")
         tok = await tokenizer()
@@ -141,12 +137,12 @@ def add_tokenize_routes(
     # chat or completion request, answered as the request in token ids (one per prompt).
     @app.post("/v1/chat/completions/render")
     async def render_chat(body: ChatCompletionRequest) -> dict[str, Any]:
-        check(body.model)
+        check_model(body.model, names)
         return rendered("chatcmpl", chat_ids(await tokenizer(), body), body)
 
     @app.post("/v1/completions/render")
     async def render_completion(body: CompletionRequest) -> list[dict[str, Any]]:
-        check(body.model)
+        check_model(body.model, names)
         tok = await tokenizer()
         prompts = body.prompts()
         ids = [p if isinstance(p, list) else tok.encode(p) for p in prompts]
@@ -154,7 +150,7 @@ def add_tokenize_routes(
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        check(body.model)
+        check_model(body.model, names)
         tok = await tokenizer()
         bad = [t for t in body.tokens if not 0 <= t < tok.rust.get_vocab_size(True)]
         if bad:
