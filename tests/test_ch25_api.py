@@ -424,6 +424,56 @@ def test_responses_unknown_model_is_a_404(server):
     assert err["code"] == "model_not_found"
 
 
+# ---- a call cut by the token limit: the model's answer, incomplete, never a server error ----
+
+CUT = 3  # tokens: the forced call stops inside its arguments, at about '{"city'
+
+
+def test_a_chat_call_cut_by_max_tokens_ends_with_length(client):
+    kw = {"model": MODEL, "messages": ASK, "tools": [WEATHER], "tool_choice": NAMED}
+    whole = client.chat.completions.create(**kw, temperature=0, max_tokens=CUT)
+    (choice,) = whole.choices
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == CUT
+    for call in choice.message.tool_calls or []:  # the partial call, or none
+        assert call.function.name == "get_weather" and not is_json(call.function.arguments)
+
+    arguments, finish = "", None
+    for chunk in client.chat.completions.create(**kw, temperature=0, max_tokens=CUT, stream=True):
+        for c in chunk.choices:
+            arguments += "".join(d.function.arguments or "" for d in c.delta.tool_calls or [])
+            finish = c.finish_reason or finish
+    assert finish == "length"
+    assert arguments == "".join(c.function.arguments for c in choice.message.tool_calls or [])
+
+
+def test_a_response_cut_inside_a_call_is_incomplete(client, server):
+    kw = {"model": MODEL, "input": QUESTION, "tools": [WEATHER["function"] | {"type": "function"}]}
+    kw |= {"tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0}
+    out = client.responses.create(**kw, max_output_tokens=CUT)
+    assert out.status == "incomplete", out
+    assert out.incomplete_details.reason == "max_output_tokens"
+    (call,) = out.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert call.arguments and not is_json(call.arguments)
+    stored = httpx.get(f"{server}/v1/responses/{out.id}", timeout=30).json()
+    assert stored["status"] == "incomplete" and stored["output"][0]["arguments"] == call.arguments
+
+    events = list(client.responses.create(**kw, max_output_tokens=CUT, stream=True))
+    assert events[-1].type == "response.incomplete", events[-1]
+    final = events[-1].response
+    assert final.incomplete_details.reason == "max_output_tokens"
+    assert [i.arguments for i in final.output] == [call.arguments]
+    assert final.output[0].status == "incomplete"
+
+
+def is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 # ---- lists of prompts, scored ---------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import INT64_END, APIError, ChatCompletionRequest, Text
 from minisgl.server.responses_output import Answer, stream, whole
+from minisgl.server.tool_parsers import is_object
 from minisgl.server.tools import Function, JsonText
 
 STORED = 1024  # responses kept for previous_response_id, the oldest dropped first
@@ -249,6 +250,13 @@ class ResponsesRequest(BaseModel):
 ITEM: TypeAdapter[Item] = TypeAdapter(Item)
 
 
+def resendable(item: dict[str, Any]) -> bool:
+    """Whether an output item can go on as input: not a call whose arguments the token limit
+    cut short. That call is still the model's answer (in a response "incomplete"); only a
+    conversation that goes on from it leaves it out, for no template can render it."""
+    return item["type"] != "function_call" or is_object(item["arguments"])
+
+
 class Store:
     """The latest responses, by id: each with its input and output items, to go on from."""
 
@@ -301,7 +309,9 @@ def add_responses_route(
 
         def keep(response: dict[str, Any]) -> None:
             if body.store:
-                output = [ITEM.validate_python(item) for item in response["output"]]
+                output = [
+                    ITEM.validate_python(item) for item in response["output"] if resendable(item)
+                ]
                 store.put(response, history + body.items() + output)
 
         if body.stream:
