@@ -154,7 +154,9 @@ def test_fp8_mma_gemv_equals_the_w8a8_reference(m: int) -> None:
     layer = _layer(q, scale, (1, k))
     table = GemvTable()
     table.blocks.update({(GemvKey(n, k, False, True, False), r): candidates[0] for r in (1, 4)})
-    layer.weight.gemv_table = table
+    layer.gemv_choice = tuple(  # as the kernel plan installs it
+        fp8.gemv_choices(table, GemvKey.of(layer, False, normed)) for normed in (False, True)
+    )
     out = torch.empty_like(x)
     got = fp8.fp8_projection(NormedInput(x, residual, out, norm.weight, norm.eps), layer)
     want = F.linear(dequantize(want_q, want_s, (1, k)), dequantize(q, scale, (1, k)))
@@ -234,9 +236,10 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
     at 1, 2, 4 and 8 rows, with the norm folded in at one row (where a norm is deferred). The
     table decides: where the GEMV wins only at qkv, only qkv runs in it and the norm before
     gate_up is not deferred; where it loses everywhere, none does. The tokens stay the same."""
-    import minisgl.layers.triton_ops as triton_ops
     from minisgl.engine.kernel_choice import choose_gemv
     from minisgl.env import ENV
+    from minisgl.layers import kernel_plan
+    from minisgl.layers.kernel_plan import KernelPlan
 
     kernels = fp8._kernels()
     llm = LLM(str(need(TINY["llama"])), device="cpu", quantization="fp8", max_running_req=1,
@@ -252,8 +255,10 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(kernels, "fp8_gemv", counted)
     # chapter 20's GEMV gate, open for one row on the CPU: norms may be deferred
-    monkeypatch.setattr(triton_ops, "gemv_kernel", lambda x: real if x.size(0) == 1 else None)
+    monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: real)
     monkeypatch.setattr(ENV.GEMV, "value", "auto")
+    monkeypatch.setattr(ENV.GEMV_MAX_ROWS, "value", 1)
+    e = llm.engine
     timed: list[str] = []
 
     def timer_where(wins):
@@ -264,7 +269,8 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
         return timer
 
     for name, wins in {"matmul": lambda w: False, "qkv only": lambda w: "qkv_proj" in w}.items():
-        table = choose_gemv(llm.engine, timer_where(wins))
+        kernels = KernelPlan.at_start(e.device, e.dtype, e.attn_backend)
+        table = choose_gemv(e, kernels, timer_where(wins))  # and installed
         assert table is not None
         calls.clear()
         got = llm.generate(prompts, params, use_tqdm=False)[0]["token_ids"]

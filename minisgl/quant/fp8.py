@@ -25,21 +25,28 @@ import importlib.util
 import logging
 import os
 from collections.abc import Callable
-from types import ModuleType
+from types import MethodType, ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.linear import GatedLinear
 from minisgl.layers.triton_ops import (
     GEMV_ROWS,
     Blocks,
     GemvKey,
+    GemvPlan,
+    GemvTable,
     NormedInput,
     ProjectionCall,
-    record_projection,
+    recording,
 )
+
+if TYPE_CHECKING:
+    from minisgl.layers.kernel_plan import KernelPlan
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +115,10 @@ def set_fp8_weight(
     layer.weight.tp_split = split
     layer.register_buffer("weight_scale", scale.float().contiguous())
     layer.fp8_block = block
+    layer.gemv_choice = FIRST_GUESS if gemv_runs(q.device) else None
+    layer.matmul = functools.partial(
+        fp8_projection, layer=layer, gated=isinstance(layer, GatedLinear)
+    )
 
 
 def check_device(device: torch.device) -> None:
@@ -125,20 +136,27 @@ def fp8_projection(
     """x @ W.T (+ bias) for a layer with FP8 weights. gated: W is a merged [gate; up] and
     the result silu(gate) * up. x may be chapter 20's NormedInput, a norm left to the
     projection: the GEMV does it in its kernel, the other paths here. A few rows go to the
-    GEMV in the blocks the start-up measurement chose, or to the matmul where it won."""
-    w, scale, block, bias = layer.weight, layer.weight_scale, layer.fp8_block, layer.bias
+    GEMV in the blocks the start-up measurement chose (`layer.gemv_choice`, by whether a
+    norm comes with x and by the rows), or to the matmul where it won."""
     rows = x.x if isinstance(x, NormedInput) else x
-    if _gemv_takes(rows):
-        key = GemvKey(w.size(0) // (1 + gated), w.size(1), gated, rows is not x, bias is not None)
-        blocks = "matmul" if record_projection(key, w, bias, x) else gemv_choice(w, key, rows)
+    choices = layer.gemv_choice  # None where the FP8 GEMV does not run (no triton, a CPU)
+    few = rows.dim() == 2 and rows.size(0) <= GEMV_MAX_ROWS and rows.stride(1) == 1
+    if choices is not None and few:
+        blocks = choices[rows is not x][rows.size(0)]
         if isinstance(blocks, _kernels().MmaBlocks):
             return mma_projection(x, layer, gated, blocks)
         if blocks != "matmul":
             norm = (x.residual, x.residual_out, x.weight, x.eps) if rows is not x else None
+            w, scale, block, bias = layer.weight, layer.weight_scale, layer.fp8_block, layer.bias
             return _kernels().fp8_gemv(
                 rows, w, scale, block, bias, gated=gated, norm=norm, blocks=blocks
             )
-    y = matmul(x.compute() if isinstance(x, NormedInput) else x, w, scale, block, bias)
+    return library(x.compute() if isinstance(x, NormedInput) else x, layer, gated)
+
+
+def library(x: torch.Tensor, layer: nn.Module, gated: bool = False) -> torch.Tensor:
+    """The matmul's path (`matmul`), and SiLU-and-mul after it where gated."""
+    y = matmul(x, layer.weight, layer.weight_scale, layer.fp8_block, layer.bias)
     return silu_and_mul(y) if gated else y
 
 
@@ -159,16 +177,43 @@ def mma_projection(
     return kernels.fp8_mma_gemv(xq, xs, w, scale, blocks, dtype, layer.bias, gated)
 
 
-def gemv_choice(w: torch.Tensor, key: GemvKey, rows: torch.Tensor) -> Blocks | str | None:
-    """What the start-up measurement (engine/kernel_choice.py) chose for this projection at
-    this many rows: GEMV blocks, or "matmul"; None (the GEMV's first guess) where nothing
-    was measured: no table (a CPU, the GEMV forced on or off) or a row count it did not try."""
-    table = getattr(w, "gemv_table", None)
-    if table is None:
-        return None
-    bucket = next((r for r in GEMV_ROWS if r >= rows.size(0)), None)
-    chosen = table.blocks.get((key, bucket), "unmeasured")
-    return None if chosen == "unmeasured" else chosen or "matmul"
+Choice = Blocks | str | None  # GEMV blocks, "matmul", or None: the GEMV's first guess
+FIRST_GUESS: tuple[tuple[Choice, ...], ...] = ((None,) * (GEMV_MAX_ROWS + 1),) * 2
+
+
+def gemv_runs(device: torch.device) -> bool:
+    """Whether the FP8 GEMV runs on `device`: a GPU with triton, or its interpreter."""
+    return HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def gemv_choices(table: GemvTable, key: GemvKey) -> tuple[Choice, ...]:
+    """What the start-up measurement (engine/kernel_choice.py) chose for a projection of
+    `key` at 0, 1, ... GEMV_MAX_ROWS rows: GEMV blocks, or "matmul"; None (the GEMV's first
+    guess) at a row count it did not try."""
+
+    def chosen(m: int) -> Choice:
+        bucket = next((r for r in GEMV_ROWS if r >= m), None)
+        found = table.blocks.get((key, bucket), "unmeasured")
+        return None if found == "unmeasured" else found or "matmul"
+
+    return tuple(chosen(m) for m in range(GEMV_MAX_ROWS + 1))
+
+
+def install(layer: nn.Module, gated: bool, gemv: GemvPlan | None) -> None:
+    """The kernel plan's FP8 `matmul` on `layer`, with the measured choices installed where
+    there is a table; while the start-up forward records, one that records and runs the
+    matmul."""
+    if layer.gemv_choice is not None and gemv is not None:
+        if gemv.recording is not None:
+            run = recording(gemv.recording, _gemv_takes, gated, lambda m, x: library(x, m, gated))
+            layer.matmul = MethodType(run, layer)
+            return
+        if gemv.table is not None:
+            layer.gemv_choice = tuple(
+                gemv_choices(gemv.table, GemvKey.of(layer, gated, normed))
+                for normed in (False, True)
+            )
+    layer.matmul = functools.partial(fp8_projection, layer=layer, gated=gated)
 
 
 def gemv_rows() -> list[int]:
@@ -177,10 +222,11 @@ def gemv_rows() -> list[int]:
 
 
 def choice_candidates(
-    call: ProjectionCall, layers: list[nn.Module], m: int, dtype: torch.dtype
+    call: ProjectionCall, layers: list[nn.Module], m: int, dtype: torch.dtype, kernels: KernelPlan
 ) -> dict[str, tuple[Blocks | None, Callable[[], object]]]:
     """For the start-up measurement: label -> (GEMV blocks or None for the matmul, a run of
-    it over `layers`, FP8 layers of the call's shape), as chapter 20's `candidates`."""
+    it over `layers`, FP8 layers of the call's shape), as chapter 20's `candidates`; the
+    matmul's path runs the norm in the kernel `kernels` gives it."""
     from minisgl.layers.norm import RMSNorm
 
     key, first = call.key, layers[0]
@@ -190,6 +236,7 @@ def choice_candidates(
     if key.normed:
         norm = RMSNorm(key.k, call.norm_eps)
         norm.weight = nn.Parameter(call.norm_weight, requires_grad=False)
+        kernels.install(norm)
         fold = (residual, out, call.norm_weight, call.norm_eps)
 
     def library() -> None:  # the norm's own kernel, x quantised, _scaled_mm, SiLU-and-mul
@@ -289,9 +336,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     return quantize_groups_reference(x, group)
 
 
-def _gemv_takes(x: torch.Tensor) -> bool:
-    if not (HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-        return False
+def _gemv_takes(layer: nn.Module, x: torch.Tensor) -> bool:
     return x.dim() == 2 and x.size(0) <= GEMV_MAX_ROWS and x.stride(1) == 1
 
 
