@@ -35,7 +35,7 @@ from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
-from minisgl.quant import fp8
+from minisgl.quant import fp8, fp8_choice
 from minisgl.quant.fp8 import FP8, FP8_MAX, dequantize, quantize_blocks, quantize_rows
 from minisgl.quant.quantize import projections, quantize_model
 from minisgl.server.args import parse_args
@@ -155,7 +155,7 @@ def test_fp8_mma_gemv_equals_the_w8a8_reference(m: int) -> None:
     table = GemvTable()
     table.blocks.update({(GemvKey(n, k, False, True, False), r): candidates[0] for r in (1, 4)})
     layer.gemv_choice = tuple(  # as the kernel plan installs it
-        fp8.gemv_choices(table, GemvKey.of(layer, False, normed)) for normed in (False, True)
+        fp8_choice.gemv_choices(table, GemvKey.of(layer, False, normed)) for normed in (False, True)
     )
     out = torch.empty_like(x)
     got = fp8.fp8_projection(NormedInput(x, residual, out, norm.weight, norm.eps), layer)
@@ -283,7 +283,7 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
             assert any(normed for *_, normed in calls)
     fp8_keys = {(key, m) for key, m in table.blocks if m > 1}
     assert fp8_keys and all(not key.normed for key, _ in fp8_keys)  # no norm deferred there
-    assert {m for _, m in table.blocks} == set(fp8.gemv_rows()) == {1, 2, 4, 8}
+    assert {m for _, m in table.blocks} == set(fp8_choice.gemv_rows()) == {1, 2, 4, 8}
     assert any("gate_up_proj" in t and "gated +norm" in t and "rows 1" in t for t in timed)
     llm.shutdown()
 

@@ -48,7 +48,7 @@ from minisgl.layers.triton_ops import (
     GemvTable,
     ProjectionCall,
 )
-from minisgl.quant import fp8  # [ch28]
+from minisgl.quant import fp8, fp8_choice  # [ch28]
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -116,12 +116,12 @@ def choose_gemv(
         # >>> ch28 FP8 weights: their own GEMVs against their own matmul, at up to 8 rows
         if call.weight.dtype == fp8.FP8:
             layers = [owners[id(w)] for w in weights]
-            for m in fp8.gemv_rows():
+            for m in fp8_choice.gemv_rows():
                 if m > gemv.max_rows:  # no norm is deferred to so many rows
                     key = dataclasses.replace(key, normed=False)
                     call = dataclasses.replace(call, key=key)
                 what = f"{name} {_describe(key)} rows {m}"
-                runs = fp8.choice_candidates(call, layers, m, engine.dtype, kernels)
+                runs = fp8_choice.choice_candidates(call, layers, m, engine.dtype, kernels)
                 shape = f"fp8 block {layers[0].fp8_block} {engine.dtype} {_describe(key)} rows {m}"
                 times = measured(cache, shape, what, runs, len(layers), timer)
                 label = pick(times)

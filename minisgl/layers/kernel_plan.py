@@ -119,9 +119,9 @@ class KernelPlan:
         gated = isinstance(module, GatedLinear)
         # >>> ch28 FP8 weights: FP8's own kernels, with their scales
         if module.weight.dtype == torch.float8_e4m3fn:
-            from minisgl.quant import fp8
+            from minisgl.quant import fp8_choice
 
-            fp8.install(module, gated, self.gemv)
+            fp8_choice.install(module, gated, self.gemv)
             return
         # <<< ch28
         # >>> ch20 a few tokens: a matrix-vector product, the weights read once at full speed
