@@ -116,17 +116,16 @@ class KernelPlan:
         module.forward_add = MethodType(forward_add, module)
 
     def _install_matmul(self, module: Linear) -> None:
-        gated = isinstance(module, GatedLinear)
         # >>> ch28 FP8 weights: FP8's own kernels, with their scales
         if module.weight.dtype == torch.float8_e4m3fn:
             from minisgl.quant import fp8_choice
 
-            fp8_choice.install(module, gated, self.gemv)
+            fp8_choice.install(module, isinstance(module, GatedLinear), self.gemv)
             return
         # <<< ch28
         # >>> ch20 a few tokens: a matrix-vector product, the weights read once at full speed
         if self.gemv is not None and module.weight.dtype == self.dtype:
-            self.gemv.install(module, gated)
+            self.gemv.install(module, isinstance(module, GatedLinear))
             return
         # <<< ch20
         module.matmul = MethodType(type(module).matmul, module)
