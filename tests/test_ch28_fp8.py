@@ -35,7 +35,7 @@ from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
-from minisgl.quant import fp8
+from minisgl.quant import fp8, fp8_choice
 from minisgl.quant.fp8 import FP8, FP8_MAX, dequantize, quantize_blocks, quantize_rows
 from minisgl.quant.quantize import projections, quantize_model
 from minisgl.server.args import parse_args
@@ -154,7 +154,9 @@ def test_fp8_mma_gemv_equals_the_w8a8_reference(m: int) -> None:
     layer = _layer(q, scale, (1, k))
     table = GemvTable()
     table.blocks.update({(GemvKey(n, k, False, True, False), r): candidates[0] for r in (1, 4)})
-    layer.weight.gemv_table = table
+    layer.gemv_choice = tuple(  # as the kernel plan installs it
+        fp8_choice.gemv_choices(table, GemvKey.of(layer, False, normed)) for normed in (False, True)
+    )
     out = torch.empty_like(x)
     got = fp8.fp8_projection(NormedInput(x, residual, out, norm.weight, norm.eps), layer)
     want = F.linear(dequantize(want_q, want_s, (1, k)), dequantize(q, scale, (1, k)))
@@ -234,9 +236,10 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
     at 1, 2, 4 and 8 rows, with the norm folded in at one row (where a norm is deferred). The
     table decides: where the GEMV wins only at qkv, only qkv runs in it and the norm before
     gate_up is not deferred; where it loses everywhere, none does. The tokens stay the same."""
-    import minisgl.layers.triton_ops as triton_ops
     from minisgl.engine.kernel_choice import choose_gemv
     from minisgl.env import ENV
+    from minisgl.layers import kernel_plan
+    from minisgl.layers.kernel_plan import KernelPlan
 
     kernels = fp8._kernels()
     llm = LLM(str(need(TINY["llama"])), device="cpu", quantization="fp8", max_running_req=1,
@@ -252,8 +255,10 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(kernels, "fp8_gemv", counted)
     # chapter 20's GEMV gate, open for one row on the CPU: norms may be deferred
-    monkeypatch.setattr(triton_ops, "gemv_kernel", lambda x: real if x.size(0) == 1 else None)
+    monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: real)
     monkeypatch.setattr(ENV.GEMV, "value", "auto")
+    monkeypatch.setattr(ENV.GEMV_MAX_ROWS, "value", 1)
+    e = llm.engine
     timed: list[str] = []
 
     def timer_where(wins):
@@ -264,7 +269,8 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
         return timer
 
     for name, wins in {"matmul": lambda w: False, "qkv only": lambda w: "qkv_proj" in w}.items():
-        table = choose_gemv(llm.engine, timer_where(wins))
+        kernels = KernelPlan.at_start(e.device, e.dtype, e.attn_backend)
+        table = choose_gemv(e, kernels, timer_where(wins))  # and installed
         assert table is not None
         calls.clear()
         got = llm.generate(prompts, params, use_tqdm=False)[0]["token_ids"]
@@ -277,7 +283,7 @@ def test_the_start_up_measurement_chooses_the_fp8_kernels(monkeypatch: pytest.Mo
             assert any(normed for *_, normed in calls)
     fp8_keys = {(key, m) for key, m in table.blocks if m > 1}
     assert fp8_keys and all(not key.normed for key, _ in fp8_keys)  # no norm deferred there
-    assert {m for _, m in table.blocks} == set(fp8.gemv_rows()) == {1, 2, 4, 8}
+    assert {m for _, m in table.blocks} == set(fp8_choice.gemv_rows()) == {1, 2, 4, 8}
     assert any("gate_up_proj" in t and "gated +norm" in t and "rows 1" in t for t in timed)
     llm.shutdown()
 

@@ -222,7 +222,7 @@ def test_checkpoint_scales_land_in_an_fp8_cache(tmp_path, names, monkeypatch, ca
     (rope_store and the one-kernel decode, forced on here) agree on the scaled cache, whose
     logits stay within KV_TOL of the fp32 cache's (the kernels above say how exactly). A
     cache in the model's dtype ignores the scales, and says so."""
-    import minisgl.layers.triton_ops as triton_ops
+    from minisgl.layers import kernel_plan
 
     folder = scaled_checkpoint(tmp_path, names)
     original, *_ = teacher_forced(need(TINY["qwen3"]))
@@ -233,7 +233,7 @@ def test_checkpoint_scales_land_in_an_fp8_cache(tmp_path, names, monkeypatch, ca
     # On a GPU the triton backend already stores keys with rope_store: the bound below
     one_step = 0.01 * original.abs().max().item()
     torch.testing.assert_close(triton, got, rtol=0, atol=one_step if DEV.type == "cuda" else 1e-4)
-    monkeypatch.setattr(triton_ops, "rope_store_kernel", lambda x: qk_rope_store)
+    monkeypatch.setattr(kernel_plan, "rope_store_kernel", lambda fused: qk_rope_store)
     fused, *_ = teacher_forced(folder, kv_cache_dtype="fp8", attention_backend="triton")
     # Their keys differ from the layers' by an fp32 rounding, which can move one that lies
     # at a midpoint of e4m3 (x / scale = 68.00001 here) to the other side: one step.

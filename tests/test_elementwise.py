@@ -17,13 +17,14 @@ import pytest
 import torch
 from helpers import TINY, need
 
-from minisgl import core
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
 from minisgl.kernels import elementwise
 from minisgl.kernels.elementwise import fused_add_rmsnorm, rmsnorm, silu_and_mul
+from minisgl.layers import activation, kernel_plan
 from minisgl.layers import elementwise_ops as ops
 from minisgl.layers.activation import silu_and_mul_reference
+from minisgl.layers.kernel_plan import KernelPlan
 from minisgl.layers.norm import RMSNorm
 from minisgl.llm import LLM
 
@@ -118,40 +119,37 @@ def test_bad_input_is_refused_with_a_reason() -> None:
         fused_add_rmsnorm(x.t(), x.t(), torch.ones(2, device=DEV), 1e-6)
 
 
-@pytest.fixture
-def attn_backend():
-    """Sets the global context's attention backend by name, as an engine would."""
-    saved = core._GLOBAL_CTX
-
-    def use(name: str | None) -> None:
-        ctx = None if name is None else SimpleNamespace(attn_backend=SimpleNamespace(name=name))
-        core.set_global_ctx(ctx)  # type: ignore[arg-type]
-
-    yield use
-    core.set_global_ctx(saved)
+def test_ours_unless_flashinfer_attends() -> None:
+    for name in ("triton", "fa", "torch"):
+        assert ops.elementwise_ops(True, name) is elementwise, name
+    assert ops.elementwise_ops(True, "fi") is None  # FlashInfer's own, JIT paid anyway
+    assert ops.elementwise_ops(False, "triton") is None  # CPU, fp32 or MINISGL_FUSED_KERNELS=0
 
 
-def test_ours_unless_flashinfer_attends(attn_backend, monkeypatch: pytest.MonkeyPatch) -> None:
-    half = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
-    for name, want in [(None, elementwise), ("triton", elementwise), ("fa", elementwise),
-                       ("torch", elementwise), ("fi", None)]:  # fmt: skip
-        attn_backend(name)
-        assert ops.elementwise_ops(half) is want, name  # type: ignore[arg-type]
-    attn_backend("triton")
-    assert ops.elementwise_ops(torch.zeros(2, device="cpu", dtype=torch.bfloat16)) is None
-    assert ops.elementwise_ops(SimpleNamespace(is_cuda=True, dtype=torch.float32)) is None
+def test_the_plan_reads_the_knob_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINISGL_FUSED_KERNELS=0: no fused kernel in the plan, whatever the device; the CPU
+    never has them."""
+    backend = SimpleNamespace(name="triton")
+    assert not KernelPlan.at_start(torch.device("cpu"), torch.bfloat16, backend).fused
     monkeypatch.setattr(ENV.FUSED_KERNELS, "value", False)
-    assert ops.elementwise_ops(half) is None  # MINISGL_FUSED_KERNELS=0: the torch code
+    plan = KernelPlan.at_start(torch.device("cuda"), torch.bfloat16, backend)
+    assert not plan.fused and plan.elementwise is None and plan.gemv is None
+    assert plan.flashinfer is None and plan.rope_store is None
 
 
-def test_layers_run_our_kernels_in_place(attn_backend, monkeypatch: pytest.MonkeyPatch) -> None:
+def ours_only(dtype: torch.dtype) -> KernelPlan:
+    """A plan with our elementwise kernels and nothing else, for CPU tensors too."""
+    return KernelPlan(dtype, True, None, elementwise, None, None, None)
+
+
+def test_layers_run_our_kernels_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     """RMSNorm.forward_add hands back the tensors it overwrote, equal to the reference."""
-    monkeypatch.setattr(ops, "_half_on_gpu", lambda x: True)  # CPU tensors too
-    attn_backend(None)
+    monkeypatch.setattr(activation, "_silu_and_mul", activation._silu_and_mul)  # restored after
     norm, calls = _norm(40, torch.float16, 8), []
     monkeypatch.setattr(
         elementwise, "fused_add_rmsnorm", lambda *a: calls.append(1) or fused_add_rmsnorm(*a)
     )
+    ours_only(torch.float16).install(norm)
     x, r = _randn(3, 40, dtype=torch.float16, seed=9), _randn(3, 40, dtype=torch.float16, seed=10)
     want = norm.reference(x + r), x + r
     got = norm.forward_add(x.clone(), r.clone())
@@ -168,9 +166,12 @@ def test_llm_with_our_kernels_gives_the_same_tokens(monkeypatch: pytest.MonkeyPa
     out, calls = [], []
     for ours in (False, True):
         if ours:
-            monkeypatch.setattr(ops, "_half_on_gpu", lambda x: calls.append(1) or True)
+            monkeypatch.setattr(
+                kernel_plan, "elementwise_ops", lambda *a: calls.append(1) or elementwise
+            )
         llm = LLM(str(need(TINY["qwen3"])), device="cpu", max_running_req=2, cuda_graph_max_bs=0,
                   num_page_override=64, max_seq_len_override=32)  # fmt: skip
         out.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.shutdown()
     assert calls and out[0] == out[1]
+    activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it

@@ -88,7 +88,7 @@ def test_llm_decodes_the_same_tokens_through_the_one_kernel(monkeypatch) -> None
     """Through the whole model: Qwen3 (head norms) on the Triton backend with the kernel
     forced on for CPU tensors, emulated decode graphs included, against the reference
     backend's tokens."""
-    import minisgl.layers.triton_ops as triton_ops
+    from minisgl.layers import kernel_plan
 
     calls = []
 
@@ -96,7 +96,7 @@ def test_llm_decodes_the_same_tokens_through_the_one_kernel(monkeypatch) -> None
         calls.append(args[0].size(0))
         return decode_attention_qkv(*args, **kwargs)
 
-    monkeypatch.setattr(triton_ops, "rope_store_kernel", lambda x: qk_rope_store)
+    monkeypatch.setattr(kernel_plan, "rope_store_kernel", lambda fused: qk_rope_store)
     monkeypatch.setattr(fused_decode, "decode_attention_qkv", counted)
     monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", True)
     prompts = [[5, 17, 300, 41, 8, 99, 23], [9] * 20]

@@ -100,7 +100,7 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
     decode step's projections run in it, gate_up with SiLU-and-mul, and the norms before
     qkv and gate_up inside the projections' kernels (not the LM head: its 49k rows would take
     the interpreter minutes a step; tests/test_gpu.py runs it on the GPU)."""
-    import minisgl.layers.triton_ops as triton_ops
+    from minisgl.layers import kernel_plan
 
     calls = {"plain": 0, "gated": 0, "normed": 0}
     head = {"rows": 0}  # the LM head's rows (the vocabulary) of the model being run
@@ -112,9 +112,6 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
         calls["normed"] += norm is not None
         return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl)
 
-    def forced(x):
-        return counted if x.dim() == 2 and x.size(0) == 1 else None
-
     prompts = [[5, 17, 300, 41, 8, 99, 23], [7, 7, 120]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     out = []
@@ -122,8 +119,9 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
         head["rows"] = ModelConfig.from_path(need(TINY[name])).vocab_size
         for on in (False, True):
             if on:
-                monkeypatch.setattr(triton_ops, "gemv_kernel", forced)
+                monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: counted)
                 monkeypatch.setattr(ENV.GEMV, "value", "on")
+                monkeypatch.setattr(ENV.GEMV_MAX_ROWS, "value", 1)
             llm = LLM(str(need(TINY[name])), device="cpu", max_running_req=1,
                       num_page_override=64, max_seq_len_override=32)  # fmt: skip
             out.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])

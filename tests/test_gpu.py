@@ -242,15 +242,25 @@ def test_gemv_decode_matches_the_matmul_library_and_hf(
 
 
 def test_fused_kernels_match_reference() -> None:
+    from types import MethodType, SimpleNamespace
+
+    from minisgl.layers import activation
     from minisgl.layers.activation import silu_and_mul, silu_and_mul_reference
+    from minisgl.layers.fused import rope as fi_rope
+    from minisgl.layers.kernel_plan import KernelPlan
     from minisgl.layers.norm import RMSNorm
     from minisgl.layers.rotary import RotaryEmbedding
+
+    # FlashInfer's kernels, as an engine whose attention is FlashInfer installs them
+    plan = KernelPlan.at_start(torch.device("cuda"), torch.bfloat16, SimpleNamespace(name="fi"))
+    assert plan.flashinfer is not None
 
     torch.manual_seed(0)
     x = torch.randn(37, 512, device="cuda", dtype=torch.bfloat16)
     res = torch.randn_like(x)
     norm = RMSNorm(512, 1e-6).cuda().to(torch.bfloat16)
     torch.nn.init.normal_(norm.weight, 1.0, 0.1)
+    plan.install(norm)
     with torch.no_grad():
         assert close(norm(x), norm.reference(x)) < 1e-2
         want_h, want_r = norm.reference(x + res), x + res
@@ -260,12 +270,14 @@ def test_fused_kernels_match_reference() -> None:
         q = qkv[:, : 8 * 128].view(37, 8, 128)  # strided views, as the attention layer has
         k = qkv[:, 8 * 128 : 10 * 128].view(37, 2, 128)
         rope = RotaryEmbedding(128, 1e6, 4096, torch.device("cuda"))
+        rope.rotate = MethodType(fi_rope(plan.flashinfer), rope)
         pos = torch.randint(0, 4096, (37,), device="cuda", dtype=torch.int32)
         want_q, want_k = rope.reference(pos, q.clone(), k.clone())
         got_q, got_k = rope(pos, q, k)
         assert close(got_q, want_q) < 1e-2 and close(got_k, want_k) < 1e-2
         h = torch.randn(37, 2 * 768, device="cuda", dtype=torch.bfloat16)
         assert close(silu_and_mul(h), silu_and_mul_reference(h)) < 1e-2
+    activation.use_silu_and_mul(silu_and_mul_reference)  # as before the plan
 
 
 SMOL_PROMPTS = [

@@ -98,14 +98,19 @@ def llm():
 
 
 def test_a_second_start_reads_the_choice_and_times_nothing(llm, tmp_path, monkeypatch) -> None:
-    import minisgl.layers.triton_ops as triton_ops
     from minisgl.kernels.gemv import gemv
+    from minisgl.layers import kernel_plan
+    from minisgl.layers.kernel_plan import KernelPlan
 
-    def one_row(x):  # the GEMV allowed for CPU tensors of one row, as in test_kernel_choice
-        return gemv if x.dim() == 2 and x.size(0) == 1 and x.stride(1) == 1 else None
-
-    monkeypatch.setattr(triton_ops, "gemv_kernel", one_row)
+    # the GEMV allowed for CPU tensors of one row, as in test_kernel_choice
+    monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: gemv)
     monkeypatch.setattr(ENV.GEMV, "value", "auto")
+    monkeypatch.setattr(ENV.GEMV_MAX_ROWS, "value", 1)
+    e = llm.engine
+
+    def choose_gemv_with(cache: TimesCache):
+        return choose_gemv(e, KernelPlan.at_start(e.device, e.dtype, e.attn_backend), timer, cache)
+
     timed: list[str] = []
 
     def timer(what: str, run) -> float:  # the GEMV wins at qkv only
@@ -114,17 +119,17 @@ def test_a_second_start_reads_the_choice_and_times_nothing(llm, tmp_path, monkey
 
     path = tmp_path / "times.json"
     cache = TimesCache(path, H200)
-    first = choose_gemv(llm.engine, timer, cache)
+    first = choose_gemv_with(cache)
     assert first is not None and timed and cache.hits == 0
     shapes = cache.changed  # one entry per projection shape and row count
     cache.save()
     measured = len(timed)
     again = TimesCache(path, H200)
-    second = choose_gemv(llm.engine, timer, again)
+    second = choose_gemv_with(again)
     assert second is not None and len(timed) == measured  # the timer was not called again
     assert second.blocks == first.blocks and again.hits == shapes and again.changed == 0
     assert any(b is not None for b in second.blocks.values())  # the GEMV's win came back
     # The same shapes on another GPU are measured anew.
     elsewhere = TimesCache(path, {**H200, "gpu": "NVIDIA B200"})
-    choose_gemv(llm.engine, timer, elsewhere)
+    choose_gemv_with(elsewhere)
     assert len(timed) == 2 * measured and elsewhere.hits == 0

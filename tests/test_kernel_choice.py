@@ -39,9 +39,11 @@ def test_pick_keeps_the_gemv_only_where_it_wins_by_the_margin() -> None:
 def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """Library wins everywhere: no GEMV, no norm deferred. The GEMV wins but at the LM head:
     every projection but that one in the kernel, norms folded in. It wins at qkv only: the norm
-    before gate_up is not deferred, since gate_up does not take it (defer_norm asks the table)."""
+    before gate_up is not deferred, since gate_up does not take it (the plan asks the table)."""
     import minisgl.layers.triton_ops as triton_ops
     from minisgl.kernels.gemv import gemv
+    from minisgl.layers import kernel_plan
+    from minisgl.layers.kernel_plan import KernelPlan
 
     llm = LLM(str(need(TINY["llama"])), device="cpu", max_running_req=1,
               num_page_override=64, max_seq_len_override=32)  # fmt: skip
@@ -54,11 +56,10 @@ def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.Monk
         calls.append((weight.size(0), gated, norm is not None))
         return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl)
 
-    def one_row(x):
-        return counted if x.dim() == 2 and x.size(0) == 1 and x.stride(1) == 1 else None
-
-    monkeypatch.setattr(triton_ops, "gemv_kernel", one_row)
+    monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: counted)  # on the CPU too
     monkeypatch.setattr(ENV.GEMV, "value", "auto")
+    monkeypatch.setattr(ENV.GEMV_MAX_ROWS, "value", 1)
+    engine = llm.engine
     apart = []  # norms deferred and then computed apart: a norm deferred to a library matmul
     compute = triton_ops.NormedInput.compute
     monkeypatch.setattr(triton_ops.NormedInput, "compute", lambda n: apart.append(1) or compute(n))
@@ -77,7 +78,8 @@ def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.Monk
         "qkv only": (lambda what: "qkv_proj" in what, lambda c: not c[1] and c[0] == 128),
     }
     for name, (wins, expected) in cases.items():
-        table = choose_gemv(llm.engine, timer_where(wins))
+        kernels = KernelPlan.at_start(engine.device, engine.dtype, engine.attn_backend)
+        table = choose_gemv(engine, kernels, timer_where(wins))  # and installed
         assert table is not None
         calls.clear()
         apart.clear()  # the measurement's own forward computed norms apart
@@ -175,11 +177,12 @@ def test_the_table_is_measured_and_logged_on_the_gpu(caplog) -> None:
         llm = LLM(str(need(TINY["llama"])), dtype=torch.bfloat16, device="cuda",
                   max_running_req=4, cuda_graph_max_bs=4)  # fmt: skip
     layer = llm.engine.model.model.layers[1]
-    table = layer.self_attn.qkv_proj.weight.gemv_table
-    assert table is layer.input_layernorm.weight.gemv_table  # the norm asks the same table
-    assert layer.input_layernorm.weight.gemv_feeds.normed
-    for (key, rows), blocks in table.blocks.items():
-        assert blocks is None or blocks in gemv_candidates(rows, key.n, key.k, key.gated)
+    qkv, norm = layer.self_attn.qkv_proj, layer.input_layernorm
+    n, k = qkv.weight.shape
+    for rows in range(1, len(norm.gemv_defers)):  # the norm defers where qkv runs the GEMV
+        blocks = qkv.gemv_blocks_normed[rows]
+        assert norm.gemv_defers[rows] == (blocks is not None)
+        assert blocks is None or blocks in gemv_candidates(rows, n, k, False)
     assert "GEMV or the matmul library" in caplog.text and "kernel choice " in caplog.text
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[5, 17, 300]], params, use_tqdm=False)[0]["token_ids"]) == 4

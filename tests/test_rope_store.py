@@ -151,14 +151,14 @@ def test_an_fp8_cache_holds_the_keys_and_values_as_torch_casts_them(
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")
 def test_llm_with_the_fused_kernel_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """Through the whole model: Qwen3 (head norms) with the kernel forced on for CPU tensors."""
-    import minisgl.layers.triton_ops as triton_ops
+    from minisgl.layers import kernel_plan
 
     prompts = [[5, 17, 300, 41, 8, 99, 23], [7, 7, 120]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     out = []
     for fused in (False, True):
         if fused:
-            monkeypatch.setattr(triton_ops, "rope_store_kernel", lambda x: qk_rope_store)
+            monkeypatch.setattr(kernel_plan, "rope_store_kernel", lambda fused: qk_rope_store)
         llm = LLM(str(need(TINY["qwen3"])), device="cpu", max_running_req=2, cuda_graph_max_bs=0,
                   num_page_override=64, max_seq_len_override=32)  # fmt: skip
         out.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])

@@ -22,12 +22,14 @@ import itertools
 import json
 import math
 import time
+from types import SimpleNamespace
 
 import torch
 from common import add_device_args, parse
 from make_random_model import SHAPES as MODELS
 
 from minisgl.engine.kernel_choice import candidates, pick, time_in_graph
+from minisgl.layers.kernel_plan import KernelPlan
 from minisgl.layers.triton_ops import GemvKey, ProjectionCall
 
 MODELS = {**MODELS, "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -114,6 +116,9 @@ def main() -> None:
     p.add_argument("--output-json")
     args = parse(p)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    # the library's path runs the norm and SiLU-and-mul kernels an engine on our attention has
+    kernels = KernelPlan.at_start(device, dtype, SimpleNamespace(name="triton"))
+    kernels.install(torch.nn.Module())  # SiLU-and-mul's kernel
     torch.manual_seed(0)
     time_it, rows_list = timer(args.reps, device), [int(r) for r in args.rows.split(",")]
     sweep_rows = [int(r) for r in args.sweep_rows.split(",")] if args.sweep else []
@@ -132,7 +137,7 @@ def main() -> None:
             size = weights[0].nbytes
             nbytes += size * count
             for m in rows_list:
-                runs = candidates(call, weights, m)
+                runs = candidates(call, weights, m, kernels)
                 us = {c: time_it(c, run) / len(weights) * 1e6 for c, (_, run) in runs.items()}
                 chosen = pick(us)
                 step[m][0] += us["library"] * count

@@ -35,7 +35,7 @@ from minisgl.engine.bias import (
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphPlan, GraphRunner  # [ch18]
 from minisgl.engine.jit_log import jit_log  # [ch20]
-from minisgl.engine.kernel_choice import choose_kernels  # [ch20]
+from minisgl.engine.kernels import install_kernels  # [ch19]
 
 # >>> ch25
 from minisgl.engine.logprobs import Logprobs, plan_prompt_logprobs, split_prompt_logits, top_to_host
@@ -167,7 +167,7 @@ class Engine:
         plan = GraphPlan.of(self)
         plan.kinds += plan_prefill_graphs(self, plan)  # [ch23]
         plan.kinds += plan_verify_graphs(self, plan)  # [ch26]
-        choose_kernels(self, plan)  # our kernels where they beat the library, measured  # [ch20]
+        install_kernels(self, plan)  # chosen once, measured, installed on the layers  # [ch19]
         clock.lap("kernel choice")  # [ch20]
         self.graph_runner = GraphRunner(
             self.model, self.attn_backend, plan, mc.vocab_size, self.device

@@ -40,7 +40,9 @@ SOURCES = (
     "layers/elementwise_ops.py",
     "layers/norm.py",
     "layers/activation.py",
+    "layers/kernel_plan.py",
     "quant/fp8.py",  # [ch28]
+    "quant/fp8_choice.py",  # [ch28]
     "engine/kernel_choice.py",
 )
 

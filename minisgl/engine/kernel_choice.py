@@ -12,8 +12,9 @@ at start-up on CUDA, after the weights load and before graphs are captured, the 
      matmul library's path (with the norm and SiLU-and-mul kernels around it) against
      the GEMV in each of `gemv_candidates`' block shapes;
   3. keeps the GEMV where it took at most MARGIN of the library's time, in a `GemvTable`
-     hung on the weights and on the norms that feed them (`layers/triton_ops.py` reads it
-     at every call), and logs the table once.
+     that goes into the kernel plan (layers/kernel_plan.py), which installs each
+     projection's row of it on the projection and on the norm that feeds it; and logs the
+     table once.
 
 Each candidate is timed as the decode step will run it: replayed from a CUDA graph (no
 launch cost), over enough of the model's weights of that shape to overflow the L2 cache
@@ -37,9 +38,8 @@ import torch.nn.functional as F
 
 from minisgl.core import Batch
 from minisgl.engine.kernel_cache import TimesCache
-from minisgl.env import ENV
-from minisgl.layers import triton_ops
 from minisgl.layers.activation import silu_and_mul
+from minisgl.layers.kernel_plan import KernelPlan
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.triton_ops import (
     GEMV_ROWS,
@@ -47,9 +47,8 @@ from minisgl.layers.triton_ops import (
     GemvKey,
     GemvTable,
     ProjectionCall,
-    recording_projections,
 )
-from minisgl.quant import fp8  # [ch28]
+from minisgl.quant import fp8, fp8_choice  # [ch28]
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -65,11 +64,13 @@ L2_OVERFLOW = (
 )
 
 
-def choose_kernels(engine: Engine, plan: GraphPlan, timer: Timer | None = None) -> None:
-    """Measure, choose and log; the choices live on the model's tensors from then on."""
+def choose_kernels(
+    engine: Engine, plan: GraphPlan, kernels: KernelPlan, timer: Timer | None = None
+) -> None:
+    """Measure, choose and log; the choices go into `kernels`, the plan installed next."""
     start = time.perf_counter()
     cache = TimesCache.for_device(engine.device) if timer is None else TimesCache()
-    table = choose_gemv(engine, timer or time_in_graph, cache)
+    table = choose_gemv(engine, kernels, timer or time_in_graph, cache)
     if table is not None:
         logger.info("GEMV or the matmul library, by measurement (us per call):\n%s", table.report)
         if cache.path is not None:
@@ -86,18 +87,21 @@ def choose_kernels(engine: Engine, plan: GraphPlan, timer: Timer | None = None) 
         logger.info("kernel choice took %.2fs", time.perf_counter() - start)
 
 
-def choose_gemv(engine: Engine, timer: Timer, cache: TimesCache | None = None) -> GemvTable | None:
-    """The GEMV table of the engine's model, hung on its weights; None where the GEMV cannot
-    run here (CPU, fp32, no triton) or is forced on or off (MINISGL_GEMV). Times found in
-    `cache` are not measured again; those measured go into it."""
+def choose_gemv(
+    engine: Engine, kernels: KernelPlan, timer: Timer, cache: TimesCache | None = None
+) -> GemvTable | None:
+    """The GEMV table of the engine's model, in `kernels` (and installed with it); None
+    where the GEMV cannot run here (CPU, fp32, no triton) or is forced on or off
+    (MINISGL_GEMV). Times found in `cache` are not measured again; those measured go into
+    it."""
     cache = cache or TimesCache()
-    probe = torch.empty(1, 1, dtype=engine.dtype, device=engine.device)
-    if ENV.GEMV.value != "auto" or triton_ops.gemv_kernel(probe) is None:
+    gemv = kernels.gemv
+    if gemv is None or gemv.mode != "auto":
         return None
     from minisgl.kernels.gemv import MAX_ROWS  # imports triton: only where the GEMV may run
 
-    rows = [r for r in GEMV_ROWS if r <= min(ENV.GEMV_MAX_ROWS.value, MAX_ROWS)]
-    calls = record_projections(engine)
+    rows = [r for r in GEMV_ROWS if r <= min(gemv.max_rows, MAX_ROWS)]
+    calls = record_projections(engine, kernels)
     names = {  # a tied LM head is named for the module that uses it last, the head
         id(p): name for name, m in engine.model.named_modules() for p in m.parameters(False)
     }
@@ -112,12 +116,12 @@ def choose_gemv(engine: Engine, timer: Timer, cache: TimesCache | None = None) -
         # >>> ch28 FP8 weights: their own GEMVs against their own matmul, at up to 8 rows
         if call.weight.dtype == fp8.FP8:
             layers = [owners[id(w)] for w in weights]
-            for m in fp8.gemv_rows():
-                if m > ENV.GEMV_MAX_ROWS.value:  # no norm is deferred to so many rows
+            for m in fp8_choice.gemv_rows():
+                if m > gemv.max_rows:  # no norm is deferred to so many rows
                     key = dataclasses.replace(key, normed=False)
                     call = dataclasses.replace(call, key=key)
                 what = f"{name} {_describe(key)} rows {m}"
-                runs = fp8.choice_candidates(call, layers, m, engine.dtype)
+                runs = fp8_choice.choice_candidates(call, layers, m, engine.dtype, kernels)
                 shape = f"fp8 block {layers[0].fp8_block} {engine.dtype} {_describe(key)} rows {m}"
                 times = measured(cache, shape, what, runs, len(layers), timer)
                 label = pick(times)
@@ -131,18 +135,16 @@ def choose_gemv(engine: Engine, timer: Timer, cache: TimesCache | None = None) -
         # <<< ch28
         for m in rows:
             what = f"{name} {_describe(key)} rows {m}"
-            runs = candidates(call, weights, m)
+            runs = candidates(call, weights, m, kernels)
             shape = f"{call.weight.dtype} {_describe(key)} rows {m}"
             times = measured(cache, shape, what, runs, len(weights), timer)
             label = pick(times)
             table.blocks[key, m] = runs[label][0]
             lines.append(f"  {what}: {_show(times)} -> {label}")
-    for call in calls:
-        call.weight.gemv_table = table  # type: ignore[attr-defined]
-        if call.norm_weight is not None:
-            call.norm_weight.gemv_table = table  # type: ignore[attr-defined]
-            call.norm_weight.gemv_feeds = call.key  # type: ignore[attr-defined]
+    gemv.feeds = {id(c.norm_weight): c.key for c in calls if c.norm_weight is not None}
     table.report = "\n".join(lines)
+    gemv.table = table
+    kernels.install(engine.model)
     return table
 
 
@@ -169,24 +171,35 @@ def pick(times: dict[str, float]) -> str:
     return best if times[best] <= MARGIN * times["library"] else "library"
 
 
-def record_projections(engine: Engine) -> list[ProjectionCall]:
+def record_projections(engine: Engine, kernels: KernelPlan) -> list[ProjectionCall]:
     """Every projection of one decode forward of the dummy request, one token (its K/V goes
-    to the dummy page, as in graph capture)."""
+    to the dummy page, as in graph capture): the forward runs with `kernels` installed in
+    recording mode (every projection the GEMV could take is recorded, and runs the matmul
+    library; every norm before one is deferred to it), and `kernels` installed after."""
     row = engine.dummy_req.table_idx
     batch = Batch([engine.dummy_req], "decode")
     batch.input_ids = engine.token_pool[row, :1]
     batch.positions = torch.zeros(1, dtype=torch.int32, device=engine.device)
     batch.out_loc = engine.page_table[row, :1]
     engine.attn_backend.prepare_metadata(batch)
-    with torch.inference_mode(), recording_projections() as calls, engine.ctx.forward_batch(batch):
-        engine.model.forward()
+    gemv = kernels.gemv
+    assert gemv is not None
+    calls: list[ProjectionCall] = []
+    recording = dataclasses.replace(kernels, gemv=dataclasses.replace(gemv, recording=calls))
+    recording.install(engine.model)
+    try:
+        with torch.inference_mode(), engine.ctx.forward_batch(batch):
+            engine.model.forward()
+    finally:
+        kernels.install(engine.model)
     return calls
 
 
 def candidates(
-    call: ProjectionCall, weights: list[torch.Tensor], m: int
+    call: ProjectionCall, weights: list[torch.Tensor], m: int, kernels: KernelPlan
 ) -> dict[str, tuple[Blocks | None, Callable[[], object]]]:
-    """label -> (GEMV blocks or None for the library, a run of it over `weights`)."""
+    """label -> (GEMV blocks or None for the library, a run of it over `weights`). The
+    library's path runs the norm in the kernel `kernels` gives it."""
     from minisgl.kernels.gemv import gemv, gemv_candidates
 
     key, w0 = call.key, call.weight
@@ -196,6 +209,7 @@ def candidates(
     if call.norm_weight is not None:
         norm = RMSNorm(key.k, call.norm_eps)
         norm.weight = torch.nn.Parameter(call.norm_weight, requires_grad=False)
+        kernels.install(norm)  # not deferred: into_gemv is off
 
     def library() -> None:
         for w in weights:  # the layers' own path: a norm kernel, the matmul, SiLU-and-mul

@@ -1,26 +1,30 @@
-"""The gated activation of Llama-family MLPs: silu(gate) * up."""
+"""The gated activation of Llama-family MLPs: silu(gate) * up.
+
+`silu_and_mul` runs the reference until the kernel plan (layers/kernel_plan.py) installs
+a fused kernel at start-up (`use_silu_and_mul`); callers never choose.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-
-from minisgl.layers.elementwise_ops import elementwise_ops  # [ch20]
-from minisgl.layers.fused import fused_ops  # [ch19]
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    # >>> ch20 our Triton kernel, unless FlashInfer is the attention backend
-    if own := elementwise_ops(gate_up):
-        return own.silu_and_mul(gate_up)
-    # <<< ch20
-    # >>> ch19
-    if fi := fused_ops(gate_up):
-        return fi.activation.silu_and_mul(gate_up)
-    # <<< ch19
-    return silu_and_mul_reference(gate_up)
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+_silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_reference
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _silu_and_mul(gate_up)
+
+
+def use_silu_and_mul(kernel: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Install the kernel that `silu_and_mul` runs from now on (the kernel plan's choice)."""
+    global _silu_and_mul
+    _silu_and_mul = kernel

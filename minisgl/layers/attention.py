@@ -1,7 +1,9 @@
 """The attention layer: split q/k/v, normalise and rotate q/k, then hand over to the backend.
 
 The layer owns the math that is the same for every request; the backend owns everything
-that depends on where each request's K/V lives (pages) and how long it is (metadata).
+that depends on where each request's K/V lives (pages) and how long it is (metadata). On a
+GPU the kernel plan (layers/kernel_plan.py) may install a forward that does the first
+steps, or all of them for a decode, in one kernel of ours (layers/triton_ops.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from minisgl.core import (
 )
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import RotaryEmbedding
-from minisgl.layers.triton_ops import decode_from_qkv, rope_store  # [ch20]
 
 
 class AttentionLayer(nn.Module):
@@ -38,12 +39,6 @@ class AttentionLayer(nn.Module):
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        # >>> ch20 on a GPU, one kernel from qkv to rotated q, with k and v already stored
-        if (out := decode_from_qkv(self, qkv)) is not None:  # or to the attention output
-            return out.reshape(-1, q_size)
-        if (q := rope_store(self, qkv)) is not None:
-            return self.attend(q, None, None).reshape(-1, q_size)
-        # <<< ch20
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)

@@ -3,8 +3,9 @@
 At batch 1 a decode step is hundreds of tiny kernels, and a CUDA graph removes their
 launch cost but not their count. RMSNorm in plain torch is five kernels, residual add
 plus RMSNorm six, SiLU-and-mul three, rotary a dozen: FlashInfer does each in one. The
-layers ask `fused_ops(x)` and fall back to their plain torch code (the reference, and the
-only path on CPU) when it returns None.
+kernel plan (layers/kernel_plan.py) installs these on the layers at start-up, where the
+model runs in bf16/fp16 on a GPU and flashinfer is installed; elsewhere the layers keep
+their plain torch code (the reference, and the only path on CPU).
 """
 
 from __future__ import annotations
@@ -14,11 +15,9 @@ from types import ModuleType
 
 import torch
 
-from minisgl.env import ENV
-
 
 @functools.cache
-def _flashinfer() -> ModuleType | None:
+def flashinfer() -> ModuleType | None:
     try:
         import flashinfer
     except ImportError:
@@ -26,10 +25,12 @@ def _flashinfer() -> ModuleType | None:
     return flashinfer
 
 
-def fused_ops(x: torch.Tensor) -> ModuleType | None:
-    """The flashinfer module when it can take `x` (a bf16/fp16 CUDA tensor), else None."""
-    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
-        return None
-    if not ENV.FUSED_KERNELS.value:
-        return None
-    return _flashinfer()
+def rope(fi: ModuleType):
+    """RotaryEmbedding.rotate in FlashInfer's kernel (in place), to install on one."""
+    apply = fi.rope.apply_rope_with_cos_sin_cache_inplace
+
+    def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        apply(positions, q, k, q.size(-1), self.cos_sin, is_neox=True)
+        return q, k
+
+    return rotate

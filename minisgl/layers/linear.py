@@ -1,4 +1,8 @@
-"""Linear layers. q/k/v and gate/up are stored merged, so each is one matmul per layer."""
+"""Linear layers. q/k/v and gate/up are stored merged, so each is one matmul per layer.
+
+`matmul` is the reference; the kernel plan (layers/kernel_plan.py) installs a faster one
+at start-up where it has one for the device, the dtype and the shape.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Split, all_reduce  # [ch21]
+from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.parallel import mark_split, needs_all_reduce, rank_shape  # [ch21]
-from minisgl.layers.triton_ops import gemv_projection  # [ch20]
-from minisgl.quant.fp8 import fp8_projection, is_fp8  # [ch28]
 
 
 class Linear(nn.Module):
@@ -33,12 +36,12 @@ class Linear(nn.Module):
         return y
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # >>> ch28 FP8 weights: multiplied by FP8's own kernels, with their scales
-        if is_fp8(self):
-            return fp8_projection(x, self)
-        # <<< ch28
-        # >>> ch20 a few tokens: a matrix-vector product, the weights read once at full speed
-        if (y := gemv_projection(x, self.weight, self.bias)) is not None:
-            return y
-        # <<< ch20
         return F.linear(x, self.weight, self.bias)
+
+
+class GatedLinear(Linear):
+    """A merged [gate; up] projection with silu(gate) * up after it: one layer, so that a
+    kernel may do the product and the activation in one pass."""
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_and_mul(F.linear(x, self.weight, self.bias))

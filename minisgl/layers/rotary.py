@@ -11,7 +11,6 @@ import functools
 
 import torch
 
-from minisgl.layers.fused import fused_ops  # [ch19]
 from minisgl.layers.rope_scaling import RopeScaling, frequencies  # [ch29]
 
 
@@ -36,6 +35,9 @@ class RotaryEmbedding:
         positions = torch.arange(max_position, dtype=torch.float, device=device)
         angles = torch.cat([positions[:, None] * inv_freq[None, :]] * 2, dim=-1)
         self.cos, self.sin = angles.cos() * scale, angles.sin() * scale  # [max_position, dim]
+        self.rotate = (
+            self.reference
+        )  # where the kernel plan (layers/kernel_plan.py) may put a kernel
         # >>> ch19 FlashInfer's layout: [max_position, cos of each pair | sin of each pair]
         half = self.rotary_dim // 2
         self.cos_sin = torch.cat([self.cos[:, :half], self.sin[:, :half]], dim=-1).contiguous()
@@ -45,14 +47,7 @@ class RotaryEmbedding:
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [tokens, q_heads, head_dim], k: [tokens, kv_heads, head_dim]. May rotate in place."""
-        # >>> ch19
-        if fi := fused_ops(q):
-            fi.rope.apply_rope_with_cos_sin_cache_inplace(
-                positions, q, k, q.size(-1), self.cos_sin, is_neox=True
-            )
-            return q, k
-        # <<< ch19
-        return self.reference(positions, q, k)
+        return self.rotate(positions, q, k)
 
     def reference(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

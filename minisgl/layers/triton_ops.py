@@ -1,36 +1,38 @@
-"""Where the layers hand their work to our own Triton kernels (minisgl/kernels/), and when.
+"""Our own Triton kernels (minisgl/kernels/) on the layers: what the kernel plan installs.
 
 On a GPU in bf16/fp16 two kernels replace a chain of layer code. `qk_rope_store` takes
 qkv to rotated q, with the keys rotated and the values stored in the KV cache on the way.
 `gemv` does a projection of a few tokens at the memory's full speed, with the SiLU-and-mul
 after it (a gated MLP) and the residual add and RMSNorm before it folded in where asked.
-Each function returns None where its kernel does not apply (the CPU, fp32, more tokens
-than MINISGL_GEMV_MAX_ROWS, no triton), and the layer runs its own code instead.
+The kernel plan (layers/kernel_plan.py) decides once, at start-up, which layers run them,
+and installs the functions below on those layers; a layer keeps its own code elsewhere
+(the CPU, fp32, no triton) and, for the GEMV, above MINISGL_GEMV_MAX_ROWS tokens.
 
 No GEMV runs blind: at start-up the engine times it against the matmul library for every
-projection shape of the model (`engine/kernel_choice.py`) and hangs the result, a
-`GemvTable`, on the weights; a projection uses the GEMV only where the table says it won.
-MINISGL_GEMV=on|off overrides the table, for benchmarks.
+projection shape of the model (`engine/kernel_choice.py`) into a `GemvTable`; each
+projection gets its row of it installed (the blocks to run at 1, 2, ... rows, or None for
+the library), and so does the norm before it. MINISGL_GEMV=on|off overrides the table,
+for benchmarks.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MethodType
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from minisgl.core import get_global_ctx
 from minisgl.env import ENV
-from minisgl.layers.activation import silu_and_mul
 
 if TYPE_CHECKING:
     from minisgl.layers.attention import AttentionLayer
+    from minisgl.layers.linear import Linear
+    from minisgl.layers.norm import RMSNorm
 
 
 @functools.cache
@@ -42,52 +44,16 @@ def _triton_kernel(module: str, name: str) -> Callable | None:
         return None
 
 
-def _on_gpu_in_half(x: torch.Tensor) -> bool:
-    """bf16/fp16 on CUDA, with the fused kernels allowed: where our kernels take over."""
-    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and ENV.FUSED_KERNELS.value
-
-
-def rope_store_kernel(x: torch.Tensor) -> Callable | None:
+def rope_store_kernel(fused: bool) -> Callable | None:
     """`kernels.rope_store.qk_rope_store` (q/k head norms, rotary and the KV store in one)
-    when it can take `x` (bf16/fp16 on CUDA), else None."""
-    return _triton_kernel("rope_store", "qk_rope_store") if _on_gpu_in_half(x) else None
+    where fused kernels run (the plan's `fused`: bf16/fp16 on CUDA), else None."""
+    return _triton_kernel("rope_store", "qk_rope_store") if fused else None
 
 
-def gemv_kernel(x: torch.Tensor) -> Callable | None:
-    """`kernels.gemv.gemv` when it can take `x`, a few rows (at most MINISGL_GEMV_MAX_ROWS) of
-    bf16/fp16 activations on CUDA: a decode step of a small batch. Else None. Whether it
-    should, for a given weight, is the `GemvTable`'s answer."""
-    if not (_on_gpu_in_half(x) and x.dim() == 2 and x.size(0) <= ENV.GEMV_MAX_ROWS.value):
-        return None
-    if x.stride(1) != 1 or ENV.GEMV.value == "off":  # the kernel reads rows of x contiguously
-        return None
-    return _triton_kernel("gemv", "gemv")
-
-
-def rope_store(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
-    """The layer's q, normed and rotated, from its qkv in one kernel that also norms and
-    rotates k and stores k and v in the KV cache; None where the kernel does not take qkv."""
-    kernel = rope_store_kernel(qkv)
-    if kernel is None:
-        return None
-    ctx = get_global_ctx()
-    kv = ctx.attn_backend.kv_cache
-    norms = hasattr(layer, "q_norm")
-    return kernel(
-        qkv,
-        ctx.batch.positions,
-        layer.rotary.cos_sin,
-        layer.q_norm.weight if norms else None,
-        layer.k_norm.weight if norms else None,
-        layer.q_norm.eps if norms else 0.0,
-        kv.k_cache(layer.layer_id),
-        kv.v_cache(layer.layer_id),
-        ctx.batch.out_loc,
-        layer.num_heads,
-        layer.num_kv_heads,
-        layer.head_dim,
-        *kv.scales(layer.layer_id),  # [ch28]
-    )
+def gemv_kernel(fused: bool) -> Callable | None:
+    """`kernels.gemv.gemv` where fused kernels run, else None. Which projections run it,
+    at how many rows, is the plan's `GemvPlan`."""
+    return _triton_kernel("gemv", "gemv") if fused else None
 
 
 def triton_argmax(logits: torch.Tensor) -> Callable | None:
@@ -105,15 +71,41 @@ def triton_sample(logits: torch.Tensor) -> Callable | None:
     return _triton_kernel("sample", "sample_rows")
 
 
-def decode_from_qkv(layer: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor | None:
-    """A decode batch's attention output [tokens, heads, head_dim] straight from qkv, in one
-    kernel that also does what `rope_store` does (`kernels/fused_decode.py`), where the
-    backend has that kernel (ours); else None."""
-    if rope_store_kernel(qkv) is None or not ENV.FUSED_DECODE.value:
-        return None
-    ctx = get_global_ctx()
-    attend = getattr(ctx.attn_backend, "decode_from_qkv", None)
-    return attend(layer, qkv, ctx.batch) if attend is not None and ctx.batch.is_decode else None
+# ---- attention from qkv: rotary and the KV store in one kernel, or the whole decode ------
+
+
+def attention_from_qkv(rope_store: Callable, decode: Callable | None) -> Callable:
+    """`AttentionLayer.forward` through `rope_store` (q normed and rotated, k normed, rotated
+    and stored, v stored, in one kernel), or for a decode batch through the backend's
+    `decode`, which also attends in the same kernel (`kernels/fused_decode.py`)."""
+
+    def forward(self: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor:
+        ctx = get_global_ctx()
+        if decode is not None and ctx.batch.is_decode:
+            return decode(self, qkv, ctx.batch).reshape(-1, self.num_heads * self.head_dim)
+        kv = ctx.attn_backend.kv_cache
+        norms = hasattr(self, "q_norm")
+        q = rope_store(
+            qkv,
+            ctx.batch.positions,
+            self.rotary.cos_sin,
+            self.q_norm.weight if norms else None,
+            self.k_norm.weight if norms else None,
+            self.q_norm.eps if norms else 0.0,
+            kv.k_cache(self.layer_id),
+            kv.v_cache(self.layer_id),
+            ctx.batch.out_loc,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            *kv.scales(self.layer_id),  # [ch28]
+        )
+        return self.attend(q, None, None).reshape(-1, self.num_heads * self.head_dim)
+
+    return forward
+
+
+# ---- the GEMV: which projections, at how many rows, in which blocks ------------------------
 
 
 @dataclass(frozen=True)
@@ -125,6 +117,11 @@ class GemvKey:
     gated: bool  # a merged [gate; up] weight, SiLU-and-mul after it
     normed: bool  # the residual add and RMSNorm before it, in the same kernel
     bias: bool
+
+    @classmethod
+    def of(cls, layer: Linear, gated: bool, normed: bool = False) -> GemvKey:
+        n, k = layer.weight.shape
+        return cls(n // (1 + gated), k, gated, normed, layer.bias is not None)
 
 
 Blocks = tuple[int, int, int, int]  # kernels.gemv's BLOCK_M, BLOCK_N, BLOCK_K, num_warps
@@ -144,22 +141,78 @@ class GemvTable:
         return self.blocks.get((key, bucket)) if bucket is not None else None
 
 
-def gemv_blocks_for(table_on: torch.Tensor, key: GemvKey, rows: int) -> Blocks | None:
-    """The blocks to run this projection in, or None: the matmul library. `table_on` is the
-    tensor the engine hung the table on (the projection's weight, or the norm's before it)."""
-    if ENV.GEMV.value == "on":  # forced on, as before measurement: the default blocks
-        from minisgl.kernels.gemv import gemv_blocks
+@dataclass
+class ProjectionCall:
+    """A projection as the model calls it, recorded by one forward at start-up."""
 
-        return gemv_blocks(rows, key.n, key.k, key.gated)
-    table: GemvTable | None = getattr(table_on, "gemv_table", None)
-    return table.lookup(key, rows) if table is not None else None
+    key: GemvKey
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    norm_weight: torch.Tensor | None  # the RMSNorm folded in front of it, when normed
+    norm_eps: float
+
+
+@dataclass
+class GemvPlan:
+    """The GEMV's part of the kernel plan: the knobs, read once, and what was measured."""
+
+    kernel: Callable  # kernels.gemv.gemv
+    mode: str  # MINISGL_GEMV: auto (the table decides) or on (the default blocks)
+    max_rows: int  # MINISGL_GEMV_MAX_ROWS: more rows than this always go to the library
+    pdl: bool  # launched with programmatic dependent launch (kernels/pdl.py)
+    table: GemvTable | None = None  # measured at start-up; None: not yet, the library
+    feeds: dict[int, GemvKey] = field(default_factory=dict)  # id(norm weight) -> its projection
+    recording: list[ProjectionCall] | None = None  # the start-up forward: record, run the library
+
+    def blocks(self, key: GemvKey) -> tuple[Blocks | None, ...]:
+        """The blocks to run a projection of `key` in at 0, 1, ... max_rows rows (None: the
+        library), indexed by the rows."""
+        if self.mode == "on":  # forced on, as before measurement: the default blocks
+            from minisgl.kernels.gemv import gemv_blocks
+
+            return (None,) + tuple(
+                gemv_blocks(m, key.n, key.k, key.gated) for m in range(1, self.max_rows + 1)
+            )
+        if self.table is None:
+            return (None,) * (self.max_rows + 1)
+        return (None,) + tuple(self.table.lookup(key, m) for m in range(1, self.max_rows + 1))
+
+    def defers(self, norm: RMSNorm) -> tuple[bool, ...]:
+        """At 0, 1, ... max_rows rows, whether `norm` leaves itself to the projection after
+        it: where that projection runs the GEMV (while recording, forced on, or the table
+        says so), or where the table never saw the norm."""
+        feeds = self.feeds.get(id(norm.weight))
+        if self.recording is not None or self.mode == "on" or feeds is None or not self.table:
+            return (False,) + (True,) * self.max_rows
+        return (False,) + tuple(
+            self.table.lookup(feeds, m) is not None for m in range(1, self.max_rows + 1)
+        )
+
+    def install(self, layer: Linear, gated: bool) -> None:
+        """The GEMV's `matmul` on `layer` (the library where it does not take the rows), or
+        while recording, one that records the call and runs the library."""
+        library = type(layer).matmul
+        if self.recording is not None:
+            layer.matmul = MethodType(
+                recording(self.recording, gemv_takes(self), gated, library), layer
+            )
+            return
+        layer.gemv_blocks = self.blocks(GemvKey.of(layer, gated))
+        layer.gemv_blocks_normed = self.blocks(GemvKey.of(layer, gated, normed=True))
+        layer.matmul = MethodType(gemv_matmul(self, gated, library), layer)
+
+
+def gemv_takes(plan: GemvPlan) -> Callable[[Linear, torch.Tensor], bool]:
+    """Whether the GEMV can take these rows of x: few, of a matrix, read contiguously."""
+    max_rows = plan.max_rows
+    return lambda layer, x: x.dim() == 2 and x.size(0) <= max_rows and x.stride(1) == 1
 
 
 @dataclass
 class NormedInput:
     """RMSNorm(x + residual), not computed yet: the projection it feeds does the add and the
-    norm in its own GEMV kernel (`RMSNorm.forward_add` hands this out where that projection
-    will use the kernel), which saves a kernel and a pass over memory per norm. `residual_out`
+    norm in its own GEMV kernel (`deferring` hands this out where that projection will use
+    the kernel), which saves a kernel and a pass over memory per norm. `residual_out`
     receives x + residual, the residual stream after the add."""
 
     x: torch.Tensor
@@ -176,90 +229,60 @@ class NormedInput:
         )
 
 
-def defer_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[NormedInput, torch.Tensor] | None:
-    """(RMSNorm(x + residual) left to the projection after it, the tensor that will hold
-    x + residual) where the GEMV kernel could take x; else None. Not where the start-up
-    measurement chose the library for that projection: the norm's weight carries the
-    projection's key (`engine/kernel_choice.py`); one it never saw gets the norm deferred."""
-    if gemv_kernel(x) is None:
-        return None
-    if _recording is None and ENV.GEMV.value != "on":
-        feeds: GemvKey | None = getattr(weight, "gemv_feeds", None)
-        if feeds is not None and gemv_blocks_for(weight, feeds, x.size(0)) is None:
-            return None
-    out = torch.empty_like(residual)
-    return NormedInput(x, residual, out, weight, eps), out
+def deferring(plan: GemvPlan, forward_add: Callable) -> Callable:
+    """`RMSNorm.forward_add` that, at the row counts where the norm's `gemv_defers` says so,
+    returns (NormedInput, the tensor that will hold x + residual) for the projection after
+    it to compute; else runs `forward_add`."""
+    max_rows = plan.max_rows
+
+    def deferred(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor):
+        rows = x.size(0)
+        if x.dim() == 2 and rows <= max_rows and x.stride(1) == 1 and self.gemv_defers[rows]:
+            out = torch.empty_like(residual)
+            return NormedInput(x, residual, out, self.weight, self.eps), out
+        return forward_add(self, x, residual)
+
+    return deferred
 
 
-def gemv_projection(
-    x: torch.Tensor | NormedInput,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    gated: bool = False,
-) -> torch.Tensor | None:
-    """x @ weight.T (+ bias) in the GEMV kernel where the table chose it, else None. gated:
-    weight is a merged [gate; up] and the result silu(gate) * up. A NormedInput is normed in
-    the same kernel (or, where the kernel is not used after all, apart from it)."""
-    normed = isinstance(x, NormedInput)
-    rows = x.x if isinstance(x, NormedInput) else x
-    kernel = gemv_kernel(rows) if weight.dtype == rows.dtype else None  # not quantised weights
-    if kernel is None and not normed:
-        return None
-    key = GemvKey(weight.size(0) // (1 + gated), weight.size(1), gated, normed, bias is not None)
-    blocks = None
-    if kernel is not None and not record_projection(key, weight, bias, x):
-        blocks = gemv_blocks_for(weight, key, rows.size(0))
-    if blocks is None:  # the matmul library
-        if not normed:
-            return None if _recording is None else _library(x, weight, bias, gated)
-        return _library(x.compute(), weight, bias, gated)
-    pdl = _triton_kernel("pdl", "pdl_enabled")(rows)
-    if normed:
-        norm = (x.residual, x.residual_out, x.weight, x.eps)
-        return kernel(x.x, weight, bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl)
-    return kernel(x, weight, bias, blocks=blocks, gated=gated, pdl=pdl)
+def gemv_matmul(plan: GemvPlan, gated: bool, library: Callable) -> Callable:
+    """`Linear.matmul` in the GEMV kernel, in the blocks installed on the layer for its row
+    count, where it has some; else `library`. gated: the weight is a merged [gate; up] and
+    the result silu(gate) * up. A NormedInput is normed in the same kernel (or, where the
+    library runs after all, apart from it)."""
+    kernel, max_rows, pdl = plan.kernel, plan.max_rows, plan.pdl
+
+    def matmul(self: Linear, x: torch.Tensor | NormedInput) -> torch.Tensor:
+        if type(x) is NormedInput:
+            blocks = self.gemv_blocks_normed[x.x.size(0)]
+            if blocks is None:
+                return library(self, x.compute())
+            norm = (x.residual, x.residual_out, x.weight, x.eps)
+            return kernel(
+                x.x, self.weight, self.bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl
+            )
+        rows = x.size(0)
+        if x.dim() == 2 and rows <= max_rows and x.stride(1) == 1 and self.gemv_blocks[rows]:
+            blocks = self.gemv_blocks[rows]
+            return kernel(x, self.weight, self.bias, blocks=blocks, gated=gated, pdl=pdl)
+        return library(self, x)
+
+    return matmul
 
 
-def _library(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool):
-    y = F.linear(x, weight, bias)
-    return silu_and_mul(y) if gated else y
+def recording(
+    calls: list[ProjectionCall], takes: Callable, gated: bool, library: Callable
+) -> Callable:
+    """A `matmul` for the start-up forward: every call the GEMV could take is recorded
+    (its key, weight, and the norm folded in front of it), and the library runs it."""
 
+    def matmul(self: Linear, x: torch.Tensor | NormedInput) -> torch.Tensor:
+        normed = type(x) is NormedInput
+        rows = x.x if normed else x
+        if takes(self, rows):
+            norm = (x.weight, x.eps) if normed else (None, 0.0)
+            key = GemvKey.of(self, gated, normed)
+            calls.append(ProjectionCall(key, self.weight, self.bias, *norm))
+        return library(self, x.compute() if normed else x)
 
-# ---- what the model projects: recorded by one forward at start-up ---------------------------
-
-
-@dataclass
-class ProjectionCall:
-    key: GemvKey
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    norm_weight: torch.Tensor | None  # the RMSNorm folded in front of it, when normed
-    norm_eps: float
-
-
-_recording: list[ProjectionCall] | None = None
-
-
-def record_projection(
-    key: GemvKey, weight: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor | NormedInput
-) -> bool:
-    """Whether projections are being recorded (`recording_projections`); if so, this one is."""
-    if _recording is None:
-        return False
-    norm = (x.weight, x.eps) if isinstance(x, NormedInput) else (None, 0.0)
-    _recording.append(ProjectionCall(key, weight, bias, *norm))
-    return True
-
-
-@contextmanager
-def recording_projections() -> Iterator[list[ProjectionCall]]:
-    """Every projection the GEMV could take, as the model calls it, with every norm before
-    one deferred: the forward inside runs each through the matmul library and records it."""
-    global _recording
-    _recording = calls = []
-    try:
-        yield calls
-    finally:
-        _recording = None
+    return matmul

@@ -24,6 +24,7 @@ from torch import nn
 
 from minisgl.core import get_global_ctx
 from minisgl.layers.embedding import LMHead, VocabEmbedding
+from minisgl.layers.linear import Linear
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaAttention, LlamaMLP
@@ -55,6 +56,8 @@ class GemmaRMSNorm(nn.Module):
 
 
 class Gemma3MLP(LlamaMLP):
+    gate_up = Linear  # GeLU-tanh after it, not SiLU: a plain projection
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)

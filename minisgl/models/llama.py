@@ -12,23 +12,22 @@ from torch import nn
 
 from minisgl.core import get_global_ctx
 from minisgl.distributed import Split, rank_heads  # [ch21]
-from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import LMHead, VocabEmbedding
-from minisgl.layers.linear import Linear
+from minisgl.layers.linear import GatedLinear, Linear
 from minisgl.layers.norm import RMSNorm
 from minisgl.layers.rotary import get_rope
-from minisgl.layers.triton_ops import gemv_projection  # [ch20]
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 from minisgl.models.families import layer_rope  # [ch29]
-from minisgl.quant.fp8 import fp8_projection, is_fp8  # [ch28]
 
 
 class LlamaMLP(nn.Module):
+    gate_up: type[Linear] = GatedLinear  # gate_up and silu(gate) * up, in one projection
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(
+        self.gate_up_proj = self.gate_up(
             hidden_size,
             2 * intermediate_size,
             split=Split.even(0, intermediate_size, intermediate_size),  # [ch21]
@@ -40,15 +39,7 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # >>> ch28 FP8 weights: gate_up and SiLU-and-mul in FP8's kernels (chapter 20's read bf16)
-        if is_fp8(self.gate_up_proj):
-            return self.down_proj(fp8_projection(x, self.gate_up_proj, gated=True))
-        # <<< ch28
-        # >>> ch20 a few tokens: gate_up and SiLU-and-mul in one kernel (with the norm before)
-        if (h := gemv_projection(x, self.gate_up_proj.weight, gated=True)) is not None:
-            return self.down_proj(h)
-        # <<< ch20
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaAttention(nn.Module):

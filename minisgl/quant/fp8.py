@@ -24,7 +24,6 @@ import importlib
 import importlib.util
 import logging
 import os
-from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -32,14 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.layers.activation import silu_and_mul
-from minisgl.layers.triton_ops import (
-    GEMV_ROWS,
-    Blocks,
-    GemvKey,
-    NormedInput,
-    ProjectionCall,
-    record_projection,
-)
+from minisgl.layers.linear import GatedLinear
+from minisgl.layers.triton_ops import Blocks, NormedInput
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +101,10 @@ def set_fp8_weight(
     layer.weight.tp_split = split
     layer.register_buffer("weight_scale", scale.float().contiguous())
     layer.fp8_block = block
+    layer.gemv_choice = FIRST_GUESS if gemv_runs(q.device) else None
+    layer.matmul = functools.partial(
+        fp8_projection, layer=layer, gated=isinstance(layer, GatedLinear)
+    )
 
 
 def check_device(device: torch.device) -> None:
@@ -125,20 +122,27 @@ def fp8_projection(
     """x @ W.T (+ bias) for a layer with FP8 weights. gated: W is a merged [gate; up] and
     the result silu(gate) * up. x may be chapter 20's NormedInput, a norm left to the
     projection: the GEMV does it in its kernel, the other paths here. A few rows go to the
-    GEMV in the blocks the start-up measurement chose, or to the matmul where it won."""
-    w, scale, block, bias = layer.weight, layer.weight_scale, layer.fp8_block, layer.bias
+    GEMV in the blocks the start-up measurement chose (`layer.gemv_choice`, by whether a
+    norm comes with x and by the rows), or to the matmul where it won."""
     rows = x.x if isinstance(x, NormedInput) else x
-    if _gemv_takes(rows):
-        key = GemvKey(w.size(0) // (1 + gated), w.size(1), gated, rows is not x, bias is not None)
-        blocks = "matmul" if record_projection(key, w, bias, x) else gemv_choice(w, key, rows)
+    choices = layer.gemv_choice  # None where the FP8 GEMV does not run (no triton, a CPU)
+    few = rows.dim() == 2 and rows.size(0) <= GEMV_MAX_ROWS and rows.stride(1) == 1
+    if choices is not None and few:
+        blocks = choices[rows is not x][rows.size(0)]
         if isinstance(blocks, _kernels().MmaBlocks):
             return mma_projection(x, layer, gated, blocks)
         if blocks != "matmul":
             norm = (x.residual, x.residual_out, x.weight, x.eps) if rows is not x else None
+            w, scale, block, bias = layer.weight, layer.weight_scale, layer.fp8_block, layer.bias
             return _kernels().fp8_gemv(
                 rows, w, scale, block, bias, gated=gated, norm=norm, blocks=blocks
             )
-    y = matmul(x.compute() if isinstance(x, NormedInput) else x, w, scale, block, bias)
+    return library(x.compute() if isinstance(x, NormedInput) else x, layer, gated)
+
+
+def library(x: torch.Tensor, layer: nn.Module, gated: bool = False) -> torch.Tensor:
+    """The matmul's path (`matmul`), and SiLU-and-mul after it where gated."""
+    y = matmul(x, layer.weight, layer.weight_scale, layer.fp8_block, layer.bias)
     return silu_and_mul(y) if gated else y
 
 
@@ -159,75 +163,13 @@ def mma_projection(
     return kernels.fp8_mma_gemv(xq, xs, w, scale, blocks, dtype, layer.bias, gated)
 
 
-def gemv_choice(w: torch.Tensor, key: GemvKey, rows: torch.Tensor) -> Blocks | str | None:
-    """What the start-up measurement (engine/kernel_choice.py) chose for this projection at
-    this many rows: GEMV blocks, or "matmul"; None (the GEMV's first guess) where nothing
-    was measured: no table (a CPU, the GEMV forced on or off) or a row count it did not try."""
-    table = getattr(w, "gemv_table", None)
-    if table is None:
-        return None
-    bucket = next((r for r in GEMV_ROWS if r >= rows.size(0)), None)
-    chosen = table.blocks.get((key, bucket), "unmeasured")
-    return None if chosen == "unmeasured" else chosen or "matmul"
+Choice = Blocks | str | None  # GEMV blocks, "matmul", or None: the GEMV's first guess
+FIRST_GUESS: tuple[tuple[Choice, ...], ...] = ((None,) * (GEMV_MAX_ROWS + 1),) * 2
 
 
-def gemv_rows() -> list[int]:
-    """The row counts at which the start-up measurement times the FP8 GEMV."""
-    return [r for r in GEMV_ROWS if r <= GEMV_MAX_ROWS]
-
-
-def choice_candidates(
-    call: ProjectionCall, layers: list[nn.Module], m: int, dtype: torch.dtype
-) -> dict[str, tuple[Blocks | None, Callable[[], object]]]:
-    """For the start-up measurement: label -> (GEMV blocks or None for the matmul, a run of
-    it over `layers`, FP8 layers of the call's shape), as chapter 20's `candidates`."""
-    from minisgl.layers.norm import RMSNorm
-
-    key, first = call.key, layers[0]
-    x = torch.randn(m, key.k, dtype=dtype, device=first.weight.device)
-    residual, out = torch.randn_like(x), torch.empty_like(x)
-    norm = fold = None
-    if key.normed:
-        norm = RMSNorm(key.k, call.norm_eps)
-        norm.weight = nn.Parameter(call.norm_weight, requires_grad=False)
-        fold = (residual, out, call.norm_weight, call.norm_eps)
-
-    def library() -> None:  # the norm's own kernel, x quantised, _scaled_mm, SiLU-and-mul
-        for layer in layers:
-            h = norm.forward_add(x, residual)[0] if norm is not None else x
-            y = matmul(h, layer.weight, layer.weight_scale, layer.fp8_block, layer.bias)
-            if key.gated:
-                silu_and_mul(y)
-
-    def gemv(blocks: Blocks) -> Callable[[], None]:
-        def run() -> None:
-            for layer in layers:
-                w, s, block = layer.weight, layer.weight_scale, layer.fp8_block
-                _kernels().fp8_gemv(x, w, s, block, layer.bias, key.gated, fold, blocks)
-
-        return run
-
-    def mma(blocks: Blocks) -> Callable[[], None]:
-        def run() -> None:
-            for layer in layers:
-                h = NormedInput(x, residual, out, call.norm_weight, call.norm_eps) if norm else x
-                mma_projection(h, layer, key.gated, blocks)
-
-        return run
-
-    block, kernels = first.fp8_block, _kernels()
-    row_scales = block[0] == 1 and block[1] >= key.k
-    runs: dict[str, tuple[Blocks | None, Callable[[], object]]] = {"library": (None, library)}
-    for blocks in kernels.fp8_gemv_candidates(
-        m, key.n, key.k, 1 if row_scales else block[0], key.gated
-    ):
-        label = "fp8 gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"
-        runs[label] = (blocks, gemv(blocks))
-    if row_scales and m <= kernels.MMA_MAX_ROWS:  # the tensor cores: x quantised too
-        for blocks in kernels.fp8_mma_candidates(key.n, key.k):
-            label = "fp8 gemv mma " + "x".join(map(str, blocks[:2])) + "w{}s{}".format(*blocks[2:])
-            runs[label] = (blocks, mma(blocks))
-    return runs
+def gemv_runs(device: torch.device) -> bool:
+    """Whether the FP8 GEMV runs on `device`: a GPU with triton, or its interpreter."""
+    return HAS_TRITON and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def matmul(
@@ -287,12 +229,6 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     if HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return _kernels().quantize_groups(x, group)
     return quantize_groups_reference(x, group)
-
-
-def _gemv_takes(x: torch.Tensor) -> bool:
-    if not (HAS_TRITON and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
-        return False
-    return x.dim() == 2 and x.size(0) <= GEMV_MAX_ROWS and x.stride(1) == 1
 
 
 @functools.cache
