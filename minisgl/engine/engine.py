@@ -24,7 +24,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphPlan, GraphRunner  # [ch18]
 from minisgl.engine.jit_log import jit_log  # [ch20]
 from minisgl.engine.kernel_choice import choose_kernels  # [ch20]
-from minisgl.engine.logprobs import plan_prompt_logprobs  # [ch25]
+from minisgl.engine.logprobs import plan_prompt_logprobs, split_prompt_logits  # [ch25]
 from minisgl.engine.prefill_graph import plan_prefill_graphs  # [ch23]
 from minisgl.engine.ranks import agree_on_limits  # [ch21]
 from minisgl.engine.sample import warm_up_sampling  # [ch20]
@@ -55,6 +55,7 @@ class Engine:
         self.config = config
         # ---- device, dtypes, context (startup.py)
         self.shape = shape = resolve_shape(config)
+        mc = shape.model_config
         self.model_config, self.device, self.dtype = shape.model_config, shape.device, shape.dtype
         self.max_seq_len, self.page_size = shape.max_seq_len, shape.page_size
         # ---- the model
@@ -81,7 +82,6 @@ class Engine:
         plan.kinds += plan_verify_graphs(shape, plan, self.attn_backend)  # [ch26]
         choose_kernels(self, plan)  # our kernels where they beat the library, measured  # [ch20]
         clock.lap("kernel choice")  # [ch20]
-        mc = shape.model_config
         self.graph_runner = GraphRunner(
             self.model, self.attn_backend, plan, mc.vocab_size, self.device
         )
@@ -141,7 +141,9 @@ class Engine:
     def forward_logits(self, batch: Batch) -> StepLogits:
         """The model's forward, and the sampling inputs as the batch stands now."""
         plan = plan_prompt_logprobs(batch, self.device) if batch.is_prefill else None  # [ch25]
-        return self.sampler.inputs(batch, self.logits(batch), plan)
+        step = self.sampler.inputs(batch, self.logits(batch))
+        step.logits, step.prompt_logprobs = split_prompt_logits(step.logits, plan)  # [ch25]
+        return step
 
     @torch.inference_mode()
     def logits(self, batch: Batch) -> torch.Tensor:

@@ -22,7 +22,7 @@ from minisgl.engine.bias import (
     apply_token_mask,
     gather_logit_bias,
 )
-from minisgl.engine.logprobs import Logprobs, PromptPlan, split_prompt_logits, top_to_host
+from minisgl.engine.logprobs import Logprobs, top_to_host
 
 # <<< ch25
 from minisgl.engine.penalty import Penalties, apply_penalties, gather_penalties
@@ -65,12 +65,7 @@ class Sampler:
         self.token_pool = token_pool
         self.device = token_pool.device
 
-    def inputs(
-        self,
-        batch: Batch,
-        logits: torch.Tensor,
-        prompt_plan: PromptPlan | None = None,  # [ch25]
-    ) -> StepLogits:
+    def inputs(self, batch: Batch, logits: torch.Tensor) -> StepLogits:
         """The sampling inputs of `batch` as it stands now, beside its logits."""
         reqs, vocab = batch.reqs, self.vocab_size
         step = StepLogits(
@@ -80,7 +75,6 @@ class Sampler:
             gather_penalties(reqs, self.token_pool, vocab),
             batch.token_dest,
         )
-        step.logits, step.prompt_logprobs = split_prompt_logits(logits, prompt_plan)  # [ch25]
         step.bias = gather_logit_bias(reqs, self.device)  # [ch25]
         return step
 
