@@ -20,7 +20,7 @@ from helpers import TINY, need
 from safetensors.torch import load_file, save_file
 
 from minisgl.core import Req, SamplingParams
-from minisgl.engine.config import EngineConfig
+from minisgl.engine.config import EngineConfig, check_model_files
 from minisgl.llm import LLM
 from minisgl.server.args import parse_args
 from minisgl.speculative.draft_model import DraftModelDrafter
@@ -210,13 +210,14 @@ def test_draft_settings_are_checked(small_qwen3, tmp_path) -> None:
     target = str(TINY["llama"])
     other = derived_model(TINY["llama"], tmp_path / "other", 1, vocab=1000)
     with pytest.raises(ValueError, match="vocabulary of 1000 tokens, the model 49152"):
-        EngineConfig(target, speculative="draft", draft_model=str(other))
+        check_model_files(EngineConfig(target, speculative="draft", draft_model=str(other)))
     with pytest.raises(ValueError, match="needs draft_model"):
         EngineConfig(target, speculative="draft")
     with pytest.raises(ValueError, match="only with speculative 'draft'"):
         EngineConfig(target, speculative="ngram", draft_model=str(small_qwen3))
     with pytest.raises(ValueError, match="not a model folder"):
-        EngineConfig(target, speculative="draft", draft_model=str(tmp_path / "nothing"))
+        config = EngineConfig(target, speculative="draft", draft_model=str(tmp_path / "nothing"))
+        check_model_files(config)
     with pytest.raises(ValueError, match="needs tp_size 1"):
         EngineConfig(target, speculative="draft", draft_model=str(small_qwen3), tp_size=2)
     short = derived_model(TINY["llama"], tmp_path / "short", 1)

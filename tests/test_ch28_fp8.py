@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed.info import set_tp_info
-from minisgl.engine.config import EngineConfig
+from minisgl.engine.config import EngineConfig, check_model_files
 from minisgl.kvcache.allocator import page_slots
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.linear import Linear
@@ -520,7 +520,7 @@ def test_checkpoints_we_cannot_load_are_named(tmp_path: Path, change: dict, mess
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_path(folder)
     with pytest.raises(ValueError, match=message):  # before any process starts
-        EngineConfig(str(folder), quantization="fp8")
+        check_model_files(EngineConfig(str(folder), quantization="fp8"))
 
 
 def test_bad_quantization_is_refused() -> None:

@@ -252,7 +252,7 @@ LIMITS = EngineLimits(max_seq_len=40, num_pages=25, page_size=4, max_running_req
 
 def test_limits_are_the_engines_and_travel_as_plain_msgpack(sched: Scheduler) -> None:
     engine = sched.engine
-    assert sched.limits == EngineLimits.of(engine)
+    assert sched.limits == engine.limits == engine.shape.limits(engine.num_pages)
     assert (sched.limits.max_seq_len, sched.limits.num_pages) == (MAX_SEQ_LEN, 512)
     assert sched.limits.max_kv_tokens == engine.num_pages * engine.page_size
     assert sched.limits.max_running_req == sched.table.available == 8

@@ -146,7 +146,7 @@ def main() -> None:
     kv = [c(i)[measured].clone() for i in layers for c in (cache.k_cache, cache.v_cache)]
     k, v = ([float(c(i)[seen].abs().max()) / 448 for i in layers]
             for c in (cache.k_cache, cache.v_cache))  # fmt: skip
-    full = str(engine.kv_dtype).removeprefix("torch.")
+    full = str(engine.shape.kv_dtype).removeprefix("torch.")
     engine.shutdown()
     with tempfile.TemporaryDirectory() as tmp:
         folder = calibrated_folder(Path(args.model), k, v, Path(tmp))

@@ -1,4 +1,11 @@
-"""EngineConfig: what to load, where, and how big the KV cache may be."""
+"""EngineConfig: what to load, where, and how big the KV cache may be.
+
+Later chapters' settings join it as one small config per concern (graphs, ranks, speculation,
+quantisation), each checking its own fields; they are keyword-only, so the engine's own
+fields keep their places. A config checks its values when it is built and reads no file:
+what can only be checked against the model folders is `check_model_files`, run before
+anything is loaded (by the command line, the offline API and the engine's start-up).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minisgl.attention import NAMES as ATTENTION_BACKENDS
-from minisgl.quant.config import check_kv_cache_dtype, check_quantization  # [ch28]
-from minisgl.speculative.config import check_speculative  # [ch26]
+from minisgl.quant.config import QuantConfig, check_checkpoint_quantization  # [ch28]
+from minisgl.speculative.config import SpeculativeConfig, check_draft_model  # [ch26]
 
 if TYPE_CHECKING:  # the config is built in the API server's process too, which has no torch
     import torch
@@ -15,8 +22,59 @@ if TYPE_CHECKING:  # the config is built in the API server's process too, which 
 DTYPES = ("bfloat16", "float16", "float32")  # the names a dtype may be given by
 
 
+# >>> ch18 graphs: decode CUDA graphs (ch18) and prefill graphs (ch23)
+@dataclass(kw_only=True)
+class GraphConfig:
+    # Largest captured decode batch; None: from GPU memory on CUDA, off on CPU; 0: off.
+    cuda_graph_max_bs: int | None = None
+    cuda_graph_bs: list[int] | None = None  # an explicit list of batch sizes wins
+    debug_cuda_graph: bool = False  # run eagerly through the graph runner's buffers
+    # >>> ch23 prefill graphs: "off", "breakable", "full"; None: breakable on CUDA, off on CPU
+    prefill_graph: str | None = None
+    prefill_graph_max_tokens: int | None = None  # top bucket; None: min(max_prefill_length, 2048)
+    prefill_graph_tokens: list[int] | None = None  # an explicit list of token buckets wins
+    # <<< ch23
+
+    def check_graphs(self) -> None:
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:
+            raise ValueError(f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}")
+        # >>> ch23
+        if self.prefill_graph not in (None, "off", "breakable", "full"):
+            raise ValueError(
+                f"prefill_graph must be off, breakable or full, got {self.prefill_graph!r}"
+            )
+        for t in self.prefill_graph_tokens or [self.prefill_graph_max_tokens or 1]:
+            if t < 1:
+                raise ValueError(f"prefill graph token counts must be >= 1, got {t}")
+        # <<< ch23
+
+
+# <<< ch18
+# >>> ch21 tensor parallelism
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tp_size: int = 1
+    tp_rank: int = 0  # this process's rank; whoever starts the ranks sets it
+    nnodes: int = 1  # machines the ranks are spread over, tp_size // nnodes ranks on each
+    dist_init_addr: str | None = None  # host:port where the ranks meet: rank 0's machine
+
+    def check_parallel(self) -> None:
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} is not a rank of tp_size {self.tp_size}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"tp_size {self.tp_size} cannot be spread over {self.nnodes} nodes")
+
+
+# <<< ch21
 @dataclass
-class EngineConfig:
+class EngineConfig(
+    GraphConfig,  # [ch18]
+    ParallelConfig,  # [ch21]
+    SpeculativeConfig,  # the engine sizes its verify graphs by it  # [ch26]
+    QuantConfig,  # [ch28]
+):
     model_path: str
     # A torch dtype or its name; None: fp32 on CPU, on GPU the checkpoint's (else bf16).
     dtype: torch.dtype | str | None = None
@@ -27,33 +85,6 @@ class EngineConfig:
     page_size: int = 1
     attention_backend: str = "auto"
     max_prefill_length: int = 8192  # the most new tokens of one forward: longer prompts are chunked
-    quantization: str | None = None  # "fp8": FP8 projections, one scale per row  # [ch28]
-    kv_cache_dtype: str = "auto"  # "fp8_e4m3" (or "fp8"): keys and values in e4m3  # [ch28]
-    # >>> ch18 decode CUDA graphs
-    # Largest captured decode batch; None: from GPU memory on CUDA, off on CPU; 0: off.
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_bs: list[int] | None = None  # an explicit list of batch sizes wins
-    debug_cuda_graph: bool = False  # run eagerly through the graph runner's buffers
-    # <<< ch18
-    # >>> ch23 prefill graphs: "off", "breakable", "full"; None: breakable on CUDA, off on CPU
-    prefill_graph: str | None = None
-    prefill_graph_max_tokens: int | None = None  # top bucket; None: min(max_prefill_length, 2048)
-    prefill_graph_tokens: list[int] | None = None  # an explicit list of token buckets wins
-    # <<< ch23
-    # >>> ch21 tensor parallelism
-    tp_size: int = 1
-    tp_rank: int = 0  # this process's rank; whoever starts the ranks sets it
-    nnodes: int = 1  # machines the ranks are spread over, tp_size // nnodes ranks on each
-    dist_init_addr: str | None = None  # host:port where the ranks meet: rank 0's machine
-    # <<< ch21
-    # >>> ch26 speculative decoding: "off", "ngram" (prompt lookup), "suffix" (this and
-    # earlier requests' text) or "draft" (a smaller model)
-    speculative: str = "off"
-    draft_model: str | None = None  # with "draft": a smaller model folder, the same vocabulary
-    num_draft_tokens: int = 8  # the most drafts a request proposes per step
-    speculative_max_bs: int = 1  # larger decode batches do not speculate (measured: docs/ch26)
-    speculative_always: bool = False  # verify all drafts, even where steps measured say no
-    # <<< ch26
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:
@@ -70,33 +101,19 @@ class EngineConfig:
             raise ValueError(f"max_seq_len_override must be >= 2, got {self.max_seq_len_override}")
         if self.max_prefill_length < 1:
             raise ValueError(f"max_prefill_length must be >= 1, got {self.max_prefill_length}")
-        # >>> ch18
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
-            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
-        if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:
-            raise ValueError(f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}")
-        # <<< ch18
-        # >>> ch23
-        if self.prefill_graph not in (None, "off", "breakable", "full"):
-            raise ValueError(
-                f"prefill_graph must be off, breakable or full, got {self.prefill_graph!r}"
-            )
-        for t in self.prefill_graph_tokens or [self.prefill_graph_max_tokens or 1]:
-            if t < 1:
-                raise ValueError(f"prefill graph token counts must be >= 1, got {t}")
-        # <<< ch23
-        # >>> ch21
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} is not a rank of tp_size {self.tp_size}")
-        if self.nnodes < 1 or self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size {self.tp_size} cannot be spread over {self.nnodes} nodes")
-        # <<< ch21
-        check_speculative(self)  # [ch26]
-        check_quantization(self.quantization, self.model_path)  # [ch28]
         if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; "
                 f"choose from auto, {', '.join(ATTENTION_BACKENDS)}"
             )
-        kv = check_kv_cache_dtype(self.kv_cache_dtype, self.attention_backend)  # [ch28]
-        self.kv_cache_dtype = kv  # its canonical name  # [ch28]
+        self.check_graphs()  # [ch18]
+        self.check_parallel()  # [ch21]
+        self.check_speculative(self.tp_size)  # [ch26]
+        self.check_quantization(self.attention_backend)  # [ch28]
+
+
+def check_model_files(config: EngineConfig) -> None:
+    """Raise ValueError where the model folders cannot take the config: before any weight is
+    read or any process started."""
+    check_checkpoint_quantization(config.quantization, config.model_path)  # [ch28]
+    check_draft_model(config)  # [ch26]

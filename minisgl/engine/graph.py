@@ -34,7 +34,7 @@ from minisgl.core import Batch, Req, get_global_ctx
 from minisgl.models.base import BaseLLMModel
 
 if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+    from minisgl.engine.startup import EngineShape
 
 logger = logging.getLogger(__name__)
 Graph = Any  # torch.cuda.CUDAGraph, EmulatedGraph, or a kind's own graph type
@@ -182,26 +182,34 @@ class GraphPlan:
     kinds: list[GraphKind]
     max_seq_len: int
     emulated: bool = False  # EmulatedGraphs (CPU, or debug mode on a GPU), not CUDA graphs
+    blocker: str | None = None  # why the model cannot be captured on CUDA; None: it can
 
     @property
     def max_tokens(self) -> int:
         """The most tokens of any captured shape (0: none): larger batches run eagerly."""
         return max((s.tokens for kind in self.kinds for s in kind.shapes), default=0)
 
+    @property
+    def dummy_req(self) -> Req:
+        """The request every kind pads its batches with (the decode kind's, always planned)."""
+        return self.kinds[0].dummy_req
+
     @classmethod
-    def of(cls, engine: Engine) -> GraphPlan:
+    def of(
+        cls, shape: EngineShape, model: BaseLLMModel, backend: BaseAttnBackend, dummy_req: Req
+    ) -> GraphPlan:
         """The decode graphs, whose settings are all read here: no sizes where the model or
         the backend cannot be captured on CUDA. Later chapters' kinds join the plan after."""
-        config, device = engine.config, engine.device
-        plan = cls([], engine.max_seq_len, device.type != "cuda" or config.debug_cuda_graph)
-        blocker = engine.model.cuda_graph_blocker if not plan.emulated else None
-        if not plan.emulated and "decode" not in engine.attn_backend.cuda_graphs:
-            blocker = f"the {engine.attn_backend.name} attention backend cannot be captured"
+        config, device = shape.config, shape.device
+        plan = cls([], shape.max_seq_len, device.type != "cuda" or config.debug_cuda_graph)
+        plan.blocker = blocker = model.cuda_graph_blocker if not plan.emulated else None
+        if not plan.emulated and "decode" not in backend.cuda_graphs:
+            blocker = f"the {backend.name} attention backend cannot be captured"
         sizes = config.cuda_graph_bs
         if sizes is None:
             max_bs = config.cuda_graph_max_bs
             if max_bs is None and device.type == "cuda":
-                max_bs = 256 if engine.free_memory_at_start > 80 * 2**30 else 160
+                max_bs = 256 if shape.free_memory_at_start > 80 * 2**30 else 160
             max_bs = min(max_bs or 0, config.max_running_req)
             sizes = graph_batch_sizes(max_bs) if max_bs else []
         if blocker is not None:
@@ -209,7 +217,7 @@ class GraphPlan:
                 logger.info("CUDA graphs off: %s", blocker)
             sizes = []
         shapes = [GraphShape(bs, bs) for bs in sorted(set(sizes))]
-        plan.kinds.append(GraphKind(shapes, engine.dummy_req))
+        plan.kinds.append(GraphKind(shapes, dummy_req))
         return plan
 
 

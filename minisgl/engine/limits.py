@@ -10,10 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+from typing import Any
 
 UNLIMITED = 1 << 30  # a max_tokens this large means: until EOS or the end of the context
 
@@ -31,16 +28,6 @@ class EngineLimits:
     page_size: int  # tokens per page
     max_running_req: int  # rows of the page table and token pool: requests at once
     vocab_size: int
-
-    @classmethod
-    def of(cls, engine: Engine) -> EngineLimits:
-        return cls(
-            engine.max_seq_len,
-            engine.num_pages,
-            engine.page_size,
-            engine.config.max_running_req,
-            engine.model_config.vocab_size,
-        )
 
     @property
     def max_kv_tokens(self) -> int:

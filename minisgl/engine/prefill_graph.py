@@ -25,7 +25,8 @@ from minisgl.engine.breakable import BoundaryBuffers, BreakableGraph
 from minisgl.engine.graph import GraphKind, GraphPlan, GraphShape
 
 if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.engine.startup import EngineShape
 
 logger = logging.getLogger(__name__)
 # The default buckets' range, from the H200 (docs/benchmarks.md, Qwen3-0.6B's shape). Breakable
@@ -118,19 +119,21 @@ class PrefillGraphs(GraphKind):
         return req
 
 
-def plan_prefill_graphs(engine: Engine, plan: GraphPlan) -> list[PrefillGraphs]:
+def plan_prefill_graphs(
+    shape: EngineShape, plan: GraphPlan, backend: BaseAttnBackend
+) -> list[PrefillGraphs]:
     """The prefill graphs to capture: none, or one kind of `prefill_graph` mode with its
     buckets. The default is breakable graphs on CUDA unless CUDA graphs are turned off
     (`cuda_graph_max_bs=0`), and none on the CPU, where asking for them gives emulated ones.
     Every prefill-graph setting is read here."""
-    config, backend, on_cuda = engine.config, engine.attn_backend, engine.device.type == "cuda"
+    config, on_cuda = shape.config, shape.device.type == "cuda"
     mode = config.prefill_graph
     if mode is None:
         mode = "breakable" if on_cuda and config.cuda_graph_max_bs != 0 else "off"
     if mode == "off":
         return []
-    if not plan.emulated and engine.model.cuda_graph_blocker is not None:
-        logger.info("prefill graphs off: %s", engine.model.cuda_graph_blocker)
+    if plan.blocker is not None:
+        logger.info("prefill graphs off: %s", plan.blocker)
         return []
     if mode == "full" and on_cuda and "prefill" not in backend.cuda_graphs:
         raise ValueError(
@@ -147,4 +150,4 @@ def plan_prefill_graphs(engine: Engine, plan: GraphPlan) -> list[PrefillGraphs]:
     # A padding request is one sequence: its positions must stay inside the context.
     tokens = sorted({t for t in tokens if t <= plan.max_seq_len})
     shapes = [GraphShape(prefill_slots(t, config.max_running_req), t) for t in tokens]
-    return [PrefillGraphs(shapes, engine.dummy_req, mode)]
+    return [PrefillGraphs(shapes, plan.dummy_req, mode)]

@@ -10,7 +10,6 @@ could wait in a collective for a rank that has already failed.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +19,6 @@ from minisgl.engine.limits import EngineLimits
 from minisgl.layers.parallel import check_tp
 from minisgl.message.codec import decode, encode
 from minisgl.models.config import ModelConfig
-
-if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
 
 
 def join_ranks(
@@ -42,13 +38,12 @@ def join_ranks(
     return device
 
 
-def agree_on_limits(engine: Engine) -> int:
-    """The KV pages every rank can hold (the fewest any has), once every rank has checked
-    that its limits with them are rank 0's."""
-    limits = EngineLimits.of(engine)
+def agree_on_limits(limits: EngineLimits) -> EngineLimits:
+    """This rank's limits with the KV pages every rank can hold (the fewest any has), once
+    every rank has checked that its limits with them are rank 0's."""
     limits = replace(limits, num_pages=agree_min(limits.num_pages))
     check_ranks_agree(limits)
-    return limits.num_pages
+    return limits
 
 
 def check_ranks_agree(limits: EngineLimits) -> None:

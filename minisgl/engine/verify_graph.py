@@ -20,7 +20,8 @@ from minisgl.engine.graph import GraphPlan, GraphShape
 from minisgl.engine.prefill_graph import PrefillGraphs
 
 if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
+    from minisgl.attention.base import BaseAttnBackend
+    from minisgl.engine.startup import EngineShape
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +43,17 @@ class VerifyGraphs(PrefillGraphs):
         return shape.tokens
 
 
-def plan_verify_graphs(engine: Engine, plan: GraphPlan) -> list[VerifyGraphs]:
+def plan_verify_graphs(
+    shape: EngineShape, plan: GraphPlan, backend: BaseAttnBackend
+) -> list[VerifyGraphs]:
     """With speculative decoding on, the verify tiers up to the largest batch it runs at,
     each request with all its drafts. Attention is captured where the backend keeps static
     prefill metadata (or the graphs are emulated), else it runs between graph segments."""
-    config = engine.config
+    config = shape.config
     if config.speculative == "off" or not any(k.shapes for k in plan.kinds):
         return []  # no graphs at all (off, or the model or backend cannot be captured)
     max_bs = min(config.speculative_max_bs, config.max_running_req)
     max_tokens = min(max_bs * (config.num_draft_tokens + 1), plan.max_seq_len)
-    full = plan.emulated or "prefill" in engine.attn_backend.cuda_graphs
+    full = plan.emulated or "prefill" in backend.cuda_graphs
     shapes = [GraphShape(min(t, max_bs) + 1, t) for t in verify_token_tiers(max_tokens)]
-    return [VerifyGraphs(shapes, engine.dummy_req, "full" if full else "breakable")]
+    return [VerifyGraphs(shapes, plan.dummy_req, "full" if full else "breakable")]

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from minisgl.core import SamplingParams
+from minisgl.engine.config import check_model_files
 from minisgl.llm.logprobs import add_logprobs  # [ch25]
 from minisgl.message.backend import (
     StopMsg,  # [ch21]
@@ -31,6 +32,7 @@ class LLM:
     ) -> None:
         self.tokenizer = Tokenizer(model_path)
         config = SchedulerConfig(model_path, dtype=dtype, device=device, **kwargs)
+        check_model_files(config)  # before any rank starts
         config, self._followers = start_followers(config)  # this process is rank 0  # [ch21]
         weakref.finalize(self, stop_followers, self._followers, 0.0)  # if never shut down  # [ch21]
         self.scheduler = Scheduler(config, self.tokenizer.eos_token_ids)

@@ -34,14 +34,32 @@ class Fp8Checkpoint:
     block: tuple[int, int]  # rows (output features) x columns (input features)
 
 
-def check_quantization(method: str | None, model_path: str | None = None) -> None:
-    """Raise ValueError unless `method` is a quantisation we run (None: none asked) and the
-    model in `model_path` can take it: before anything is loaded or any process started."""
+@dataclass(kw_only=True)
+class QuantConfig:
+    """The engine's quantisation settings (EngineConfig's)."""
+
+    quantization: str | None = None  # "fp8": FP8 projections, one scale per row
+    kv_cache_dtype: str = "auto"  # "fp8_e4m3" (or "fp8"): keys and values in e4m3
+
+    def check_quantization(self, attention_backend: str) -> None:
+        """Raise ValueError for a method or cache dtype we do not run, or a cache dtype the
+        attention backend cannot read; the cache dtype takes its canonical name."""
+        check_method(self.quantization)
+        self.kv_cache_dtype = check_kv_cache_dtype(self.kv_cache_dtype, attention_backend)
+
+
+def check_method(method: str | None) -> None:
+    """Raise ValueError unless `method` is a quantisation we run (None: none asked)."""
     if method is not None and method not in METHODS:
         raise ValueError(
             f"quantization {method!r} is not supported: choose {' or '.join(METHODS)}, or none"
         )
-    config = Path(model_path or "") / "config.json"
+
+
+def check_checkpoint_quantization(method: str | None, model_path: str) -> None:
+    """Raise ValueError unless the model in `model_path` can take `method`: before anything
+    is loaded or any process started."""
+    config = Path(model_path) / "config.json"
     if method is not None and config.is_file():
         parse_quantization_config(json.loads(config.read_text()).get("quantization_config"))
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from minisgl.layers.linear import Linear
-from minisgl.quant.config import check_quantization
+from minisgl.quant.config import check_method
 from minisgl.quant.fp8 import check_device, is_fp8, quantize_rows, set_fp8_weight
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ def projections(model: nn.Module) -> list[tuple[str, Linear]]:
 
 def quantize_model(model: nn.Module, method: str | None) -> None:
     """Quantise the model's projections as `method` asks ("fp8"; None leaves the model)."""
-    check_quantization(method)
+    check_method(method)
     if method is None:
         return
     layers = [layer for _, layer in projections(model)]

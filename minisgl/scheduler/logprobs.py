@@ -18,7 +18,7 @@ from minisgl.message.backend import TokenMsg
 from minisgl.message.logprobs import PromptLogprobs
 
 if TYPE_CHECKING:
-    from minisgl.engine.engine import ForwardOutput
+    from minisgl.engine.sampler import ForwardOutput
     from minisgl.scheduler.prefill import PendingReq
 
 

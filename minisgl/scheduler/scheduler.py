@@ -23,8 +23,8 @@ from typing import Any
 import torch
 
 from minisgl.core import Batch, Req
-from minisgl.engine.engine import Engine, ForwardOutput, StepLogits
-from minisgl.engine.limits import EngineLimits
+from minisgl.engine.engine import Engine
+from minisgl.engine.sampler import ForwardOutput, StepLogits
 from minisgl.env import ENV  # [ch12]
 from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
 from minisgl.scheduler.cache import CacheManager
@@ -53,7 +53,7 @@ class InFlight:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, eos_token_ids: set[int]) -> None:
         self.engine = engine = Engine(config)
-        self.limits = limits = EngineLimits.of(engine)  # what the engine holds, in numbers
+        self.limits = limits = engine.limits  # what the engine holds, in numbers
         self.eos_token_ids = frozenset(eos_token_ids)
         self.table = TableManager(limits.max_running_req, engine.token_pool)
         self.cache = CacheManager(

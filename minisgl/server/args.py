@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.attention import NAMES as ATTENTION_BACKENDS
-from minisgl.engine.config import DTYPES
+from minisgl.engine.config import DTYPES, check_model_files
 from minisgl.quant.config import KV_CACHE_DTYPES  # [ch28]
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.kv_events import add_kv_events_options, kv_events_config  # [ch27]
@@ -155,12 +155,14 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             "--max-queued-requests, --max-queued-tokens, --shutdown-timeout and"
             " --worker-timeout take a number >= 0"
         )
+    settings = p.config(a)
+    settings["kv_events"] = kv_events_config(p, a)  # [ch27]
     try:
         dtype = None if a.dtype == "auto" else a.dtype  # a name: the scheduler resolves it
-        config = SchedulerConfig(model_path=a.model, dtype=dtype, **p.config(a))
+        config = SchedulerConfig(model_path=a.model, dtype=dtype, **settings)
+        check_model_files(config)
     except ValueError as e:
         p.error(str(e))
-    config.kv_events = kv_events_config(p, a)  # [ch27]
     keys = api_keys(p, a)
     name = a.served_model_name or Path(a.model).resolve().name
     return ServerArgs(
