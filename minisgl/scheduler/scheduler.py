@@ -33,7 +33,6 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
 from minisgl.scheduler.grammar_pool import GrammarPool  # [ch25]
-from minisgl.scheduler.kv_events import publishes_kv_events, start_kv_events  # [ch27]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
@@ -81,7 +80,6 @@ class Scheduler:
         self.grammar_pool = GrammarPool(self.grammars, config.grammar_compile_timeout)  # [ch25]
         self.logprobs = LogprobCollector()  # [ch25]
         self.spec = Speculator(self, config)  # [ch26]
-        self.kv_events = start_kv_events(config, self.cache, engine.device)  # [ch27]
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -112,7 +110,6 @@ class Scheduler:
             return  # [ch25]
         self.prefill.add(pending)
 
-    @publishes_kv_events  # a finished request's pages are cached  # [ch27]
     def abort(self, msg: AbortMsg) -> None:
         for pending in list(self.prefill.pending):
             if pending.uid == msg.uid:
@@ -131,7 +128,6 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
 
-    @publishes_kv_events  # one message per step  # [ch27]
     def step(self) -> list[TokenMsg]:
         self._drained += self._admit_compiled()  # [ch25]
         batch = self._schedule()
@@ -322,6 +318,4 @@ class Scheduler:
         self.drain()
         self.grammar_pool.shutdown()  # [ch25]
         self.spec.shutdown()  # [ch26]
-        if self.kv_events is not None:  # [ch27]
-            self.kv_events.close()  # [ch27]
         self.engine.shutdown()
