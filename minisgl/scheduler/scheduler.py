@@ -188,7 +188,7 @@ class Scheduler:
         )
         self.prefill.add(pending, front=True)
 
-    # ---- the parts of a step: the speculative step runs its own from them too -----------------
+    # ---- the parts of a step (the speculative step is made of them too) -------------------
 
     @property
     def in_flight(self) -> InFlight | None:
@@ -224,14 +224,14 @@ class Scheduler:
             self.decode.add([r for r, emit in zip(batch.reqs, emits) if emit])
         return flight
 
-    def forward(self, batch: Batch, run: Callable[[], T]) -> T:
-        """Allocate the batch's pages, prepare it and `run` its forward; the listeners are told
-        when it begins and once it is launched."""
+    def forward(self, batch: Batch, compute: Callable[[], T]) -> T:
+        """Allocate the batch's pages, prepare it and `compute` its forward; the listeners
+        are told when it begins and once it is launched."""
         self.cache.allocate(batch.reqs)
         for listener in self.listeners:
             listener.forward_begins(batch)
         self.engine.prepare_batch(batch)
-        out = run()
+        out = compute()
         for listener in self.listeners:
             listener.forward_launched(batch)
         return out
