@@ -192,14 +192,14 @@ class Scheduler:
 
     @property
     def in_flight(self) -> InFlight | None:
-        """The step launched and not yet processed (only with overlap scheduling)."""
+        """The step launched and not yet processed, if there is one."""
         return self._in_flight
 
     def run(self, batch: Batch | None) -> list[TokenMsg]:
-        """Launch `batch` as a plain step; the tokens ready now come back: its own, or with
-        overlap scheduling those of the step before, processed while this one computes."""
+        """Launch `batch` as a plain step; the tokens ready now come back."""
         launched = self.launch(batch) if batch is not None else None
-        # >>> ch12 overlap: launch N+1, then process N while the device computes
+        # >>> ch12 overlap: launch N+1, then process N while the device computes; N+1's
+        # tokens come back with the next step
         if self.overlap:
             messages = self.drain()
             if launched is not None and launched.output is None:  # [ch25]
