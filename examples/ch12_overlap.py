@@ -47,13 +47,13 @@ def run(overlap: bool, show: bool = True):
         events.append(f"launch {batch.name} {batch.phase} {[r.uid for r in batch.reqs]}")
         prepare(batch)
 
-    def process(flight, inner=sched._process):
+    def process(flight, inner=sched.process):
         messages = inner(flight)
         events.append(f"process {flight.batch.name} -> {len(messages)} tokens")
         return messages
 
     sched.engine.prepare_batch = launch
-    sched._process = process
+    sched.process = process
     if show:
         print(f"overlap {'on' if overlap else 'off'}:")
     outputs: dict[int, list[int]] = {}

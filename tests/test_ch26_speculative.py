@@ -220,6 +220,35 @@ def test_mixed_requests_and_seeded_sampling_are_reproducible() -> None:
     assert [runs[0][i] for i in (0, 1, 3)] == [want[i] for i in (0, 1, 3)]
 
 
+def test_a_request_with_logprobs_gets_what_it_gets_without_drafts() -> None:
+    """A verify step computes no log-probabilities, so a batch holding a request that asks
+    for them takes the plain step: its tokens and log-probabilities are those of a run
+    without speculation, and the other requests speculate once it has finished."""
+    prompts = tiny_prompts(6)
+    plain = SamplingParams(max_tokens=24, ignore_eos=True)
+    asks = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=2)
+    params = [plain, asks, plain, plain]
+
+    def run(**kw) -> tuple[list[dict], LLM]:
+        llm = LLM(str(need(TINY["llama"])), **{**KW, **kw})
+        out = llm.generate(prompts, params, use_tqdm=False)
+        llm.scheduler.check_integrity()
+        return out, llm
+
+    want, llm = run()
+    llm.shutdown()
+    got, llm = run(speculative="ngram")
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    assert len(got[1]["logprobs"]) == 6 and "logprobs" not in got[0]
+    for g, w in zip(got[1]["logprobs"], want[1]["logprobs"]):
+        assert g["logprob"] == pytest.approx(w["logprob"], abs=1e-5)
+        assert g["top"].keys() == w["top"].keys() and len(g["top"]) == 2
+    assert any("log-probabilities" in why for why in spec.skipped)
+    assert spec.num_accepted > 0  # the others speculated after it
+
+
 def test_a_wrong_acceptance_rule_fails(monkeypatch) -> None:
     prompts = tiny_prompts(3)
     params = SamplingParams(max_tokens=20, ignore_eos=True)

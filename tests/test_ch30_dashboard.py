@@ -98,10 +98,11 @@ def run(llm: LLM, observer: Observer, prompts: list[list[int]], max_tokens: int)
 def test_nothing_is_recorded_without_a_lease(llm):
     observer = Observer(llm.scheduler)
     assert not run(llm, observer, [[5, 6, 7, 8, 9]], 3)
-    assert llm.scheduler.steps.begin() is None and not llm.scheduler.steps.ring
+    assert observer.log not in llm.scheduler.listeners and not observer.log.ring
     observer.receive([WatchMsg(0.05)])
     time.sleep(0.1)  # the lease runs out: the next publish turns the record off
-    assert observer.publish([]) is None and not llm.scheduler.steps.on
+    assert observer.publish([]) is None and not observer.log.on
+    assert observer.log not in llm.scheduler.listeners
 
 
 def test_snapshot_is_the_schedulers_state(llm):

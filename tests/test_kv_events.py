@@ -32,7 +32,8 @@ from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.message.backend import FlushCacheMsg
 from minisgl.scheduler.flush import CacheFlusher
-from minisgl.scheduler.kv_events import KVEventPublisher, KVEventsConfig
+from minisgl.scheduler.kv_events import KVEventsConfig
+from minisgl.scheduler.kv_publisher import KVEventPublisher
 from minisgl.server.args import parse_args
 from minisgl.server.replicas import ReplicaSet
 
@@ -169,7 +170,7 @@ def test_eviction_removes_stored_blocks_and_a_flush_clears(tmp_path):
             llm.generate([prompt], SP, use_tqdm=False)
         messages = receive(sub)
         held = cached_hashes(llm)
-        CacheFlusher(llm.scheduler).apply([FlushCacheMsg()])
+        CacheFlusher(llm.scheduler, llm.kv_events).apply([FlushCacheMsg()])
         flushed = receive(sub)
         assert len(llm.scheduler.cache.cache.all_slots()) == 0
     finally:
@@ -235,9 +236,9 @@ def test_a_replica_publishes_on_its_port_and_close_frees_it():
     finally:
         llm.shutdown()
         ctx.destroy(linger=0)
-    again = KVEventPublisher(KVEventsConfig(f"tcp://*:{port}"), PS, "CPU")  # bindable again
+    again = KVEventPublisher(KVEventsConfig(f"tcp://*:{port}"))  # bindable again
     with pytest.raises(ValueError, match=f"--kv-events-endpoint: cannot bind tcp://\\*:{port}"):
-        KVEventPublisher(KVEventsConfig(f"tcp://*:{port}"), PS, "CPU")
+        KVEventPublisher(KVEventsConfig(f"tcp://*:{port}"))
     again.close()
     with pytest.raises(ValueError, match="--cache naive has none"):
         make_llm(cache_type="naive", kv_events=KVEventsConfig(f"tcp://*:{port}"))

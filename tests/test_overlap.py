@@ -204,7 +204,7 @@ def test_abort_under_overlap_frees_everything(monkeypatch, prompts) -> None:
     for _ in range(3):
         for m in sched.step():
             out[m.uid].append(m)
-    assert sched._in_flight is not None and drop.uid in sched.reqs
+    assert sched.in_flight is not None and drop.uid in sched.reqs
     sched.abort(AbortMsg(drop.uid))  # its batch is still in flight
     sched.check_integrity()
     while sched.has_work:

@@ -491,10 +491,10 @@ def ch12_timeline(out: Path) -> Path:
             names[id(flight)] = f"B{sum(s[0] == 'launch' for s in spans) + 1}"
             return names[id(flight)]
 
-        sched._launch = timed("launch", sched._launch, launched)
+        sched.launch = timed("launch", sched.launch, launched)
         forward = sched.engine.forward_batch
         sched.engine.forward_batch = timed("forward", forward, lambda b, r: "")
-        sched._process = timed("process", sched._process, lambda f, r: names[id(f)])
+        sched.process = timed("process", sched.process, lambda f, r: names[id(f)])
         for uid, text in enumerate(prompts):
             sched.add_request(UserMsg(uid, tok.encode(text), params))
         while sched.has_work:

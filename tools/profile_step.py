@@ -359,7 +359,7 @@ def time_phases(llm: Any, args: argparse.Namespace) -> tuple[int, tuple[float, f
 
         return call
 
-    process_fn = sched._process
+    process_fn = sched.process
 
     def process(flight: Any) -> list:
         if clock.on and flight.output is not None and flight.output.copy_done is not None:
@@ -369,7 +369,7 @@ def time_phases(llm: Any, args: argparse.Namespace) -> tuple[int, tuple[float, f
     runner, backend = engine.graph_runner, engine.attn_backend
     patches = {
         (sched, "_schedule"): clock.wrap("schedule", sched._schedule),
-        (sched, "_process"): clock.wrap("process results", process),
+        (sched, "process"): clock.wrap("process results", process),
         (engine, "prepare_batch"): clock.wrap("prepare_batch", engine.prepare_batch),
         (engine, "forward_logits"): clock.wrap("forward (launch)", engine.forward_logits),
         (engine, "sample_logits"): clock.wrap("sample", marked(engine.sample_logits, False)),

@@ -1,10 +1,10 @@
-"""What a prefix cache offers the cache manager: match, insert, lock, evict."""
+"""What a prefix cache offers the cache manager (match, insert, lock, evict), and its listeners."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -14,6 +14,14 @@ class MatchResult:
     node: Any  # handle to lock while a request uses the prefix
     length: int  # matched tokens, a multiple of page_size
     slots: torch.Tensor  # their KV slots, [length] int32
+
+
+class CacheListener(Protocol):
+    """Told what a prefix cache stores and evicts: a node of it (KV-cache events listen)."""
+
+    def stored(self, node: Any) -> None: ...
+
+    def removed(self, node: Any) -> None: ...
 
 
 class BasePrefixCache(ABC):

@@ -13,15 +13,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import TYPE_CHECKING  # [ch27]
 
 import torch
 
-from minisgl.kvcache.base import BasePrefixCache, MatchResult
+from minisgl.kvcache.base import BasePrefixCache, CacheListener, MatchResult
 from minisgl.utils import common_prefix_len
-
-if TYPE_CHECKING:  # [ch27]
-    from minisgl.scheduler.kv_events import KVEventPublisher  # [ch27]
 
 _clock = itertools.count()
 
@@ -57,7 +53,7 @@ class RadixCache(BasePrefixCache):
         self.root.ref_count = 1  # never evicted
         self.evictable_tokens = 0
         self.protected_tokens = 0
-        self.events: KVEventPublisher | None = None  # told what is stored and evicted  # [ch27]
+        self.listeners: list[CacheListener] = []  # told what is stored and evicted
 
     def _child_key(self, tokens: torch.Tensor) -> tuple[int, ...]:
         return tuple(tokens[: self.page_size].tolist())
@@ -90,8 +86,8 @@ class RadixCache(BasePrefixCache):
             rest = RadixNode(input_ids[match.length :].clone(), slots[match.length :].clone(), node)
             node.children[self._child_key(rest.key)] = rest
             self.evictable_tokens += len(rest.key)
-            if self.events is not None:  # [ch27]
-                self.events.stored(rest)  # [ch27]
+            for listener in self.listeners:
+                listener.stored(rest)
         return match.length
 
     def lock(self, node: RadixNode) -> None:
@@ -125,8 +121,8 @@ class RadixCache(BasePrefixCache):
             self.evictable_tokens -= len(leaf.key)
             freed.append(leaf.value)
             count += len(leaf.value)
-            if self.events is not None:  # [ch27]
-                self.events.removed(leaf)  # [ch27]
+            for listener in self.listeners:
+                listener.removed(leaf)
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
         return torch.cat(freed) if freed else self.root.value

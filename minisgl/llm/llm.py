@@ -17,6 +17,7 @@ from minisgl.message.backend import (
     UserMsg,
 )
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.kv_blocks import start_kv_events  # [ch27]
 from minisgl.scheduler.ranks import share_messages, start_followers, stop_followers  # [ch21]
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.tokenizer.tokenizer import Tokenizer
@@ -36,6 +37,7 @@ class LLM:
         config, self._followers = start_followers(config)  # this process is rank 0  # [ch21]
         weakref.finalize(self, stop_followers, self._followers, 0.0)  # if never shut down  # [ch21]
         self.scheduler = Scheduler(config, self.tokenizer.eos_token_ids)
+        self.kv_events = start_kv_events(config, self.scheduler)  # [ch27]
         self.engine = self.scheduler.engine
         self._uids = itertools.count()
 
@@ -86,6 +88,8 @@ class LLM:
                     result["finish_reason"] = out.finish_reason
                     remaining -= 1
                     bar.update()
+            if self.kv_events is not None:  # one message a step  # [ch27]
+                self.kv_events.publish()  # [ch27]
             if remaining:  # every step of every rank follows one share: nothing new  # [ch21]
                 share_messages([])  # [ch21]
         bar.close()
@@ -104,4 +108,6 @@ class LLM:
     def shutdown(self) -> None:
         share_messages([StopMsg()])  # the other ranks leave their loops  # [ch21]
         self.scheduler.shutdown()
+        if self.kv_events is not None:  # [ch27]
+            self.kv_events.close()  # [ch27]
         stop_followers(self._followers)  # [ch21]

@@ -15,14 +15,16 @@ import logging
 from typing import Any
 
 from minisgl.message.backend import FlushCacheMsg, SchedulerStats
+from minisgl.scheduler.kv_blocks import BlockEvents
 from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
 
 class CacheFlusher:
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, kv_events: BlockEvents | None = None) -> None:
         self.scheduler = scheduler
+        self.kv_events = kv_events
         self.done = 0
 
     def apply(self, messages: list[Any]) -> None:
@@ -35,8 +37,8 @@ class CacheFlusher:
         cache = self.scheduler.cache
         slots = cache.cache.evict(cache.cache.evictable_tokens)
         cache.allocator.free((slots[:: cache.page_size] // cache.page_size).tolist())
-        if self.scheduler.kv_events is not None:
-            self.scheduler.kv_events.cleared()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         self.done += 1
         logger.info("prefix cache flushed: %d KV pages free", cache.allocator.num_free)
 

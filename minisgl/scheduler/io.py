@@ -4,6 +4,10 @@ When there is work, the loop never blocks on input: it takes whatever arrived an
 When there is none, it waits for a message (waking now and then to notice a dead parent).
 Every step reports, even a prefill chunk that yields no token: the server takes a long
 silence while it waits for answers as a stuck scheduler.
+
+What watches the scheduler is set up here, not in it: the cache flusher, the KV-cache
+events (a listener of the radix cache, published once a pass) and the live page's observer
+(whose step log listens to the forwards while a page watches).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from minisgl.message.frontend import ReadyMsg
 from minisgl.message.transport import Reader, Writer, address
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.flush import CacheFlusher  # [ch27]
+from minisgl.scheduler.kv_blocks import BlockEvents, start_kv_events  # [ch27]
 from minisgl.scheduler.observe import Observer  # [ch30]
 from minisgl.scheduler.ranks import share_messages  # [ch21]
 from minisgl.scheduler.scheduler import Scheduler
@@ -41,9 +46,14 @@ def scheduler_stats(s: Scheduler) -> SchedulerStats:
     )
 
 
-def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
+def serve(
+    scheduler: Scheduler,
+    inbox: Reader,
+    outbox: Writer,
+    kv_events: BlockEvents | None = None,  # [ch27]
+) -> None:
     parent = os.getppid()
-    flusher = CacheFlusher(scheduler)  # [ch27]
+    flusher = CacheFlusher(scheduler, kv_events)  # [ch27]
     observer = Observer(scheduler)  # snapshots for the live page, while one watches  # [ch30]
     while os.getppid() == parent:
         if scheduler.has_work:
@@ -57,6 +67,8 @@ def serve(scheduler: Scheduler, inbox: Reader, outbox: Writer) -> None:
         refused = scheduler.receive(messages)
         stepped = scheduler.has_work
         tokens = scheduler.step() if stepped else []
+        if kv_events is not None:  # what this pass stored and evicted, as one message  # [ch27]
+            kv_events.publish()  # [ch27]
         if stepped or refused or messages:
             stats = scheduler_stats(scheduler)
             flusher.report(stats)  # [ch27]
@@ -71,6 +83,7 @@ def run_scheduler_worker(config: SchedulerConfig, ipc_dir: str, log_level: str) 
     ready = Writer(ctx, address(ipc_dir, "ready"))
     try:
         scheduler = Scheduler(config, Tokenizer(config.model_path).eos_token_ids)
+        kv_events = start_kv_events(config, scheduler)  # [ch27]
     except Exception as e:
         ready.send(ReadyMsg("scheduler", {"error": f"{type(e).__name__}: {e}"}))
         raise
@@ -79,6 +92,13 @@ def run_scheduler_worker(config: SchedulerConfig, ipc_dir: str, log_level: str) 
     info = {"limits": scheduler.limits.to_dict(), "device": str(scheduler.engine.device)}
     ready.send(ReadyMsg("scheduler", info))
     try:
-        serve(scheduler, inbox, outbox)
+        serve(
+            scheduler,
+            inbox,
+            outbox,
+            kv_events,  # [ch27]
+        )
     finally:
         scheduler.shutdown()
+        if kv_events is not None:  # [ch27]
+            kv_events.close()  # [ch27]

@@ -1,14 +1,14 @@
 """What the live page shows, recorded by the scheduler only while a page looks (chapter 30).
 
-Two parts. `StepLog` is written by the scheduler around each forward: a fixed-size ring of
-the last steps (their kind, batch, tokens, graph and time) and the graph hits by batch
-size. `Observer` is driven by the worker loop: it takes the watch leases the API server
-sends, notes when requests arrive and produce their first token, and at a few snapshots a
-second reads the scheduler's own state (its requests, the owner of every KV page, the
-radix tree) into a `DashboardSnapshot`.
+Two parts. `StepLog` listens to the scheduler's forwards: a fixed-size ring of the last
+steps (their kind, batch, tokens, graph and time) and the graph hits by batch size.
+`Observer` is driven by the worker loop: it takes the watch leases the API server sends,
+registers the step log with the scheduler while one lasts, notes when requests arrive and
+produce their first token, and at a few snapshots a second reads the scheduler's own state
+(its requests, the owner of every KV page, the radix tree) into a `DashboardSnapshot`.
 
-Without a lease nothing is recorded: the step log's `begin` returns None, the observer's
-`publish` returns None, and that is the whole cost. With one, the step log costs two
+Without a lease nothing is recorded: the step log is not among the scheduler's listeners,
+the observer's `publish` returns None, and that is the whole cost. With one, the step log costs two
 clock reads (two CUDA events on a GPU, read later, never waited for) and a tuple per step;
 building a snapshot is kept under about 1% of the loop's time by spacing snapshots out
 when one takes long (a big tree, a big pool).
@@ -47,11 +47,13 @@ STEP_FIELDS = ("step", "time", "kind", "size", "tokens", "chunks", "graph", "pad
 
 
 class StepLog:
-    """The last forwards, in a ring the scheduler writes while `on` (a page is watching)."""
+    """The last forwards, in a ring: a listener of the scheduler while a page is watching."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.on = False
-        self.cuda = device.type == "cuda"
+    def __init__(self, engine: Engine) -> None:
+        self.on = False  # a lease lasts: registered with the scheduler
+        self.engine = engine
+        self.cuda = engine.device.type == "cuda"
+        self.began: Any = None  # the start mark of the forward being launched
         self.ring: deque[list[Any]] = deque(maxlen=STEPS)
         self.count = 0
         self.graphs: dict[tuple[str, int, int], list[int]] = {}  # -> [replays, steps]
@@ -64,21 +66,17 @@ class StepLog:
         event.record()
         return event
 
-    def begin(self) -> Any:
-        """Before a forward is prepared: its start mark, or None when nobody watches."""
-        if not self.on:
-            return None
-        return self._mark() if self.cuda else time.perf_counter()
+    def forward_begins(self, batch: Batch) -> None:
+        """Before a forward is prepared: its start mark."""
+        self.began = self._mark() if self.cuda else time.perf_counter()
 
-    def end(self, batch: Batch, began: Any, engine: Engine) -> None:
+    def forward_launched(self, batch: Batch) -> None:
         """After the forward is launched: one record (its time is read later on a GPU)."""
-        if began is None:
-            return
         if self.cuda:
-            ms: Any = (began, self._mark())
+            ms: Any = (self.began, self._mark())
         else:
-            ms = (time.perf_counter() - began) * 1e3
-        graph = engine.graph_runner.can_use_cuda_graph(batch)
+            ms = (time.perf_counter() - self.began) * 1e3
+        graph = self.engine.graph_runner.can_use_cuda_graph(batch)
         key = (batch.phase, batch.size, batch.padded_size if graph else batch.size)
         hits = self.graphs.setdefault(key, [0, 0])
         hits[0] += graph
@@ -113,7 +111,7 @@ class Observer:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
-        self.log: StepLog = scheduler.steps
+        self.log = StepLog(scheduler.engine)
         self.until = 0.0  # the lease's end (monotonic)
         self.text = False
         self.seq = 0
@@ -160,6 +158,7 @@ class Observer:
 
     def _start(self, now: float) -> None:
         self.log.on, self.next_at = True, 0.0
+        self.s.listeners.append(self.log)
         for req in self.s.reqs.values():  # those already running, their arrival unknown
             out = req.seq_len - req.prompt_len
             self.reqs[req.uid] = _req_info(None, req.prompt_len, out, [], [])
@@ -169,6 +168,7 @@ class Observer:
 
     def _stop(self) -> None:
         self.log.on = False
+        self.s.listeners.remove(self.log)
         self.reqs.clear()  # requests may end unseen from now on
 
     def _count(self, tokens: list[TokenMsg], now: float) -> None:

@@ -17,8 +17,9 @@ Requests join and leave between any two steps: that is continuous batching.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -32,14 +33,13 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
 from minisgl.scheduler.grammar_pool import GrammarPool  # [ch25]
-from minisgl.scheduler.kv_events import publishes_kv_events, start_kv_events  # [ch27]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
-from minisgl.scheduler.observe import StepLog  # [ch30]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
 from minisgl.speculative.step import Speculator  # [ch26]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -48,6 +48,14 @@ class InFlight:
     output: ForwardOutput | None  # None until sampled
     emits: list[bool]  # which requests' tokens are real (not a mid-prompt chunk)
     logits: StepLogits | None = None  # the forward, while its sampling waits
+
+
+class StepListener(Protocol):
+    """Told of every forward the scheduler runs (the live page's step log is one)."""
+
+    def forward_begins(self, batch: Batch) -> None: ...
+
+    def forward_launched(self, batch: Batch) -> None: ...
 
 
 class Scheduler:
@@ -67,12 +75,11 @@ class Scheduler:
         self._in_flight: InFlight | None = None
         self._drained: list[TokenMsg] = []  # results processed early, to hand out next
         self.num_preemptions = 0
+        self.listeners: list[StepListener] = []  # registered by whoever watches the steps
         self.grammars = Grammars(config.model_path, limits.vocab_size, eos_token_ids)  # [ch25]
         self.grammar_pool = GrammarPool(self.grammars, config.grammar_compile_timeout)  # [ch25]
         self.logprobs = LogprobCollector()  # [ch25]
         self.spec = Speculator(self, config)  # [ch26]
-        self.kv_events = start_kv_events(config, self.cache, engine.device)  # [ch27]
-        self.steps = StepLog(engine.device)  # the live page's record, while one watches  # [ch30]
 
     # ---- requests in ----------------------------------------------------------------------
 
@@ -103,7 +110,6 @@ class Scheduler:
             return  # [ch25]
         self.prefill.add(pending)
 
-    @publishes_kv_events  # a finished request's pages are cached  # [ch27]
     def abort(self, msg: AbortMsg) -> None:
         for pending in list(self.prefill.pending):
             if pending.uid == msg.uid:
@@ -122,24 +128,13 @@ class Scheduler:
 
     # ---- one step -------------------------------------------------------------------------
 
-    @publishes_kv_events  # one message per step  # [ch27]
     def step(self) -> list[TokenMsg]:
         self._drained += self._admit_compiled()  # [ch25]
         batch = self._schedule()
         messages, self._drained = self._drained, []
         if batch is not None and (verified := self.spec.try_step(batch)) is not None:  # [ch26]
             return messages + verified  # [ch26]
-        launched = self._launch(batch) if batch is not None else None
-        # >>> ch12 overlap: launch N+1, then process N while the device computes
-        if self.overlap:
-            if self._in_flight is not None:
-                messages += self._process(self._in_flight)
-            if launched is not None and launched.output is None:  # [ch25]
-                self.grammars.sample(launched, self.engine)  # N's tokens are in  # [ch25]
-            self._in_flight = launched
-            return messages
-        # <<< ch12
-        return messages + (self._process(launched) if launched else [])
+        return messages + self.run(batch)
 
     # >>> ch25
     def _admit_compiled(self) -> list[TokenMsg]:
@@ -164,7 +159,9 @@ class Scheduler:
             return batch
         batch = self.decode.schedule()
         if batch is not None and not self._fits(batch):
-            self._drain()  # finished requests may free enough; and victims must be up to date
+            self._drained += (
+                self.drain()
+            )  # finished requests may free pages; victims must be current
             batch = self.decode.schedule()
             while batch is not None and not self._fits(batch):
                 self._preempt(self.decode.running[-1])
@@ -191,13 +188,31 @@ class Scheduler:
         )
         self.prefill.add(pending, front=True)
 
-    def _launch(self, batch: Batch) -> InFlight:
-        self.cache.allocate(batch.reqs)
+    # ---- the parts of a step (the speculative step is made of them too) -------------------
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The step launched and not yet processed, if there is one."""
+        return self._in_flight
+
+    def run(self, batch: Batch | None) -> list[TokenMsg]:
+        """Launch `batch` as a plain step; the tokens ready now come back."""
+        launched = self.launch(batch) if batch is not None else None
+        # >>> ch12 overlap: launch N+1, then process N while the device computes; N+1's
+        # tokens come back with the next step
+        if self.overlap:
+            messages = self.drain()
+            if launched is not None and launched.output is None:  # [ch25]
+                self.grammars.sample(launched, self.engine)  # N's tokens are in  # [ch25]
+            self._in_flight = launched
+            return messages
+        # <<< ch12
+        return self.process(launched) if launched else []
+
+    def launch(self, batch: Batch) -> InFlight:
+        """Give the batch its pages and start its forward; lengths move on now."""
         emits = [not req.mid_prompt for req in batch.reqs]
-        began = self.steps.begin()  # [ch30]
-        self.engine.prepare_batch(batch)
-        flight = self._forward(batch, emits)
-        self.steps.end(batch, began, self.engine)  # [ch30]
+        flight = self.forward(batch, lambda: self._forward(batch, emits))
         for req, emit in zip(batch.reqs, emits):
             if emit:
                 req.complete_one()
@@ -209,42 +224,59 @@ class Scheduler:
             self.decode.add([r for r, emit in zip(batch.reqs, emits) if emit])
         return flight
 
+    def forward(self, batch: Batch, compute: Callable[[], T]) -> T:
+        """Allocate the batch's pages, prepare it and `compute` its forward; the listeners
+        are told when it begins and once it is launched."""
+        self.cache.allocate(batch.reqs)
+        for listener in self.listeners:
+            listener.forward_begins(batch)
+        self.engine.prepare_batch(batch)
+        out = compute()
+        for listener in self.listeners:
+            listener.forward_launched(batch)
+        return out
+
     def _forward(self, batch: Batch, emits: list[bool]) -> InFlight:
         if self.grammars.constrains(batch.reqs):  # masked once the step before is in  # [ch25]
             return InFlight(batch, None, emits, self.engine.forward_logits(batch))  # [ch25]
         return InFlight(batch, self.engine.forward_batch(batch), emits)
 
-    def _process(self, flight: InFlight) -> list[TokenMsg]:
+    def process(self, flight: InFlight) -> list[TokenMsg]:
+        """Wait for a launched step's tokens and emit each real one."""
         if flight.output is None:  # without overlap, the step before is processed  # [ch25]
             self.grammars.sample(flight, self.engine)  # [ch25]
         output = flight.output
         assert output is not None, "a step is processed only once it is sampled"
         if output.copy_done is not None:
             output.copy_done.synchronize()
-        messages = []
-        tokens = output.next_tokens_cpu.tolist()
-        logprobs = output.logprobs_cpu
-        logprobs = logprobs.tolist() if logprobs is not None else [None] * len(tokens)
         self.logprobs.gather(flight.batch.reqs, output, self.reqs)  # [ch25]
-        rows = zip(flight.batch.reqs, flight.emits, tokens, logprobs)
-        for i, (req, emit, token, logprob) in enumerate(rows):
-            if not emit or self.reqs.get(req.uid) is not req:
-                continue  # a chunk's token, or the extra token of a request already finished
-            req.append_host(token)
-            reason = self._finish_reason(req, token)
-            if not req.sampling_params.logprobs:
-                logprob = None
-            msg = TokenMsg(req.uid, token, reason is not None, reason, req.cached_tokens, logprob)
-            self.logprobs.attach(msg, req, output, i)  # [ch25]
-            messages.append(msg)
-            if reason is not None:
-                self._finish(req)
+        messages = []
+        rows = zip(flight.batch.reqs, flight.emits, output.next_tokens_cpu.tolist())
+        for i, (req, emit, token) in enumerate(rows):
+            if emit and self.reqs.get(req.uid) is req:  # not a chunk's, nor a finished one's
+                messages.append(self.emit(req, token, output, i))
         return messages
 
-    def _drain(self) -> None:
-        if self._in_flight is not None:
-            self._drained += self._process(self._in_flight)
-            self._in_flight = None
+    def drain(self) -> list[TokenMsg]:
+        """Process the step in flight, if one is: nothing is in flight after."""
+        flight, self._in_flight = self._in_flight, None
+        return self.process(flight) if flight is not None else []
+
+    def emit(
+        self, req: Req, token: int, output: ForwardOutput | None = None, row: int = 0
+    ) -> TokenMsg:
+        """A request's next token: appended, its finish decided, its message made (with the
+        log-probabilities it asked for, from `output`'s `row`); a finished request leaves."""
+        req.append_host(token)
+        reason = self._finish_reason(req, token)
+        msg = TokenMsg(req.uid, token, reason is not None, reason, req.cached_tokens)
+        if output is not None:
+            if req.sampling_params.logprobs and output.logprobs_cpu is not None:
+                msg.logprob = output.logprobs_cpu[row].item()
+            self.logprobs.attach(msg, req, output, row)  # [ch25]
+        if reason is not None:
+            self._finish(req)
+        return msg
 
     def _finish_reason(self, req: Req, token: int) -> str | None:
         params = req.sampling_params
@@ -283,9 +315,7 @@ class Scheduler:
         assert rows == self.limits.max_running_req, f"rows leaked: {rows} accounted"
 
     def shutdown(self) -> None:
-        self._drain()
+        self.drain()
         self.grammar_pool.shutdown()  # [ch25]
         self.spec.shutdown()  # [ch26]
-        if self.kv_events is not None:  # [ch27]
-            self.kv_events.close()  # [ch27]
         self.engine.shutdown()

@@ -81,23 +81,18 @@ class Speculator:
         if not self._pays(batch.reqs, drafts):
             return None
         messages: list[TokenMsg] = []
-        if s._in_flight is not None:
-            s._drain()  # finished requests leave: schedule the batch again
-            messages, s._drained = s._drained, []
+        if s.in_flight is not None:
+            messages = s.drain()  # finished requests leave: schedule the batch again
             fresh = s.decode.schedule()
             if fresh is None:
                 return messages
             batch = fresh
             if not self._takes(batch):  # e.g. a grammar's first token came in
-                return messages + s._process(s._launch(batch))
+                return messages + s.run(batch)
             drafts = self._draft(batch.reqs)  # from the fresh tokens
         drafts = self._fit(drafts, batch.reqs)
         if not self._pays(batch.reqs, drafts):  # not after all: a plain step
-            flight = s._launch(batch)
-            if s.overlap:
-                s._in_flight = flight  # the next step processes it, as any plain step
-                return messages
-            return messages + s._process(flight)
+            return messages + s.run(batch)
         return messages + self._verify(batch.reqs, drafts)
 
     def _pays(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
@@ -121,14 +116,20 @@ class Speculator:
 
     def _takes(self, batch: Batch) -> bool:
         """A batch speculates only where that is exact and pays: decode, at most max_bs
-        requests, none with a grammar or log-probabilities (they take the plain step)."""
+        requests, none with a grammar or log-probabilities. Their tokens would go out through
+        the scheduler's `emit` as any others; what a verify step lacks is upstream of it: the
+        grammar's mask for each draft's position (and its matcher stepping back over rejected
+        drafts), and the log-probabilities of each accepted row, which `accept_drafts` does
+        not compute. Those batches take the plain step, which gives the same tokens."""
         if not self.enabled or not batch.is_decode or batch.size > self.max_bs:
             return False
         reqs = batch.reqs
         if self.scheduler.grammars.constrains(reqs):
-            return self._skip("a request has a grammar, which would have to check every draft")
+            return self._skip("a request has a grammar, which would have to mask every draft")
         if any(r.sampling_params.logprobs for r in reqs):
-            return self._skip("a request wants log-probabilities, which verify steps do not keep")
+            return self._skip(
+                "a request wants log-probabilities, which verify steps do not compute"
+            )
         return True
 
     def _skip(self, reason: str) -> bool:
@@ -189,11 +190,9 @@ class Speculator:
             req.device_len += len(draft)
         batch = Batch(reqs, "verify")
         self.num_forwards += 1
-        s.cache.allocate(reqs)
-        began = s.steps.begin()  # [ch30]
-        engine.prepare_batch(batch)
-        accepted, final = accept_drafts(engine.logits(batch), reqs, drafts, pool)
-        s.steps.end(batch, began, engine)  # [ch30]
+        accepted, final = s.forward(
+            batch, lambda: accept_drafts(engine.logits(batch), reqs, drafts, pool)
+        )
         # The token after the accepted drafts takes the place of the first rejected one.
         pool.put_(after_d + accepted, final)
         both = to_host(torch.stack([accepted, final.long()]))
@@ -207,11 +206,8 @@ class Speculator:
             req.device_len = req.cached_len + 1
             s.cache.trim(req, req.device_len)
             for t in draft[:n] + [token]:
-                req.append_host(t)
-                reason = s._finish_reason(req, t)
-                messages.append(TokenMsg(req.uid, t, reason is not None, reason, req.cached_tokens))
-                if reason is not None:
-                    s._finish(req)  # which forgets its acceptance
+                messages.append(s.emit(req, t))
+                if messages[-1].finished:  # it has left, and its acceptance is forgotten
                     break
         if len(self.acceptance.records) > 2 * len(s.reqs) + 64:  # requests aborted since
             self.acceptance.retain(set(s.reqs))
