@@ -59,7 +59,7 @@ class Engine:
         self.model_config, self.device, self.dtype = shape.model_config, shape.device, shape.dtype
         self.max_seq_len, self.page_size = shape.max_seq_len, shape.page_size
         # ---- the model
-        self.model = load_model(shape)
+        self.model = model = load_model(shape)
         clock.lap("weights")
         # ---- state pools: KV pages, page table, token pool
         num_pages = config.num_page_override or pages_from_budget(shape)
@@ -72,15 +72,16 @@ class Engine:
         use_kv_scales(self.model, self.kv_cache)  # the checkpoint's, for an FP8 cache  # [ch28]
         clock.lap("KV pool")
         # ---- attention backend
-        self.attn_backend = _create_backend(shape, self.kv_cache, self.page_table)
+        self.attn_backend = backend = _create_backend(shape, self.kv_cache, self.page_table)
         self.ctx = Context(self.attn_backend)
         set_global_ctx(self.ctx)
         clock.lap("attention backend")
         # >>> ch18 graphs: every shape to capture, then one loop that captures them
-        plan = GraphPlan.of(shape, self.model, self.attn_backend, self.dummy_req)
-        plan.kinds += plan_prefill_graphs(shape, plan, self.attn_backend)  # [ch23]
-        plan.kinds += plan_verify_graphs(shape, plan, self.attn_backend)  # [ch26]
-        self.kernels = install_kernels(self, plan)  # chosen once, installed on the layers  # [ch19]
+        plan = GraphPlan.of(shape, model, backend, self.dummy_req)
+        plan.kinds += plan_prefill_graphs(shape, plan, backend)  # [ch23]
+        plan.kinds += plan_verify_graphs(shape, plan, backend)  # [ch26]
+        # the kernels each layer runs: chosen once (measured), installed on the layers  # [ch19]
+        self.kernels = install_kernels(shape, model, backend, plan, self.forward_dummy)  # [ch19]
         clock.lap("kernel choice")  # [ch20]
         self.graph_runner = GraphRunner(
             self.model, self.attn_backend, plan, mc.vocab_size, self.device
@@ -156,6 +157,21 @@ class Engine:
         """One token per request (sampler.py); the tokens also go into the token pool."""
         return self.sampler.sample(step)
 
+    # >>> ch19
+    @torch.inference_mode()
+    def forward_dummy(self) -> None:
+        """One decode forward of the dummy request alone, one token (its K/V goes to the dummy
+        page, as in graph capture): what start-up measures the model's projections by."""
+        row = self.dummy_req.table_idx
+        batch = Batch([self.dummy_req], "decode")
+        batch.input_ids = self.token_pool[row, :1]
+        batch.positions = torch.zeros(1, dtype=torch.int32, device=self.device)
+        batch.out_loc = self.page_table[row, :1]
+        self.attn_backend.prepare_metadata(batch)
+        with self.ctx.forward_batch(batch):
+            self.model.forward()
+
+    # <<< ch19
     def _logits(self, batch: Batch) -> torch.Tensor:
         # >>> ch18
         if self.graph_runner.can_use_cuda_graph(batch):

@@ -31,12 +31,13 @@ import logging
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from minisgl.core import Batch
 from minisgl.engine.kernel_cache import TimesCache
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.kernel_plan import KernelPlan
@@ -51,7 +52,6 @@ from minisgl.layers.triton_ops import (
 from minisgl.quant import fp8, fp8_choice  # [ch28]
 
 if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
     from minisgl.engine.graph import GraphPlan
 
 logger = logging.getLogger(__name__)
@@ -64,8 +64,20 @@ L2_OVERFLOW = (
 )
 
 
+@dataclass(frozen=True)
+class Probe:
+    """What the measurement needs of an engine: its model, where it runs, the most tokens a
+    forward takes, and one decode forward of the dummy request (whose projections it records)."""
+
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    max_prefill_length: int
+    forward_dummy: Callable[[], object]
+
+
 def choose_kernels(
-    engine: Engine, plan: GraphPlan, kernels: KernelPlan, timer: Timer | None = None
+    engine: Probe, plan: GraphPlan, kernels: KernelPlan, timer: Timer | None = None
 ) -> None:
     """Measure, choose and log; the choices go into `kernels`, the plan installed next."""
     start = time.perf_counter()
@@ -81,14 +93,14 @@ def choose_kernels(
     if engine.device.type == "cuda" or timer is not None:
         from minisgl.layers.fused_moe import choose_moe_path
 
-        choose_moe_path(engine.model, plan.max_tokens, engine.config.max_prefill_length, timer)
+        choose_moe_path(engine.model, plan.max_tokens, engine.max_prefill_length, timer)
     # <<< ch22
     if engine.device.type == "cuda":
         logger.info("kernel choice took %.2fs", time.perf_counter() - start)
 
 
 def choose_gemv(
-    engine: Engine, kernels: KernelPlan, timer: Timer, cache: TimesCache | None = None
+    engine: Probe, kernels: KernelPlan, timer: Timer, cache: TimesCache | None = None
 ) -> GemvTable | None:
     """The GEMV table of the engine's model, in `kernels` (and installed with it); None
     where the GEMV cannot run here (CPU, fp32, no triton) or is forced on or off
@@ -171,25 +183,18 @@ def pick(times: dict[str, float]) -> str:
     return best if times[best] <= MARGIN * times["library"] else "library"
 
 
-def record_projections(engine: Engine, kernels: KernelPlan) -> list[ProjectionCall]:
+def record_projections(engine: Probe, kernels: KernelPlan) -> list[ProjectionCall]:
     """Every projection of one decode forward of the dummy request, one token (its K/V goes
     to the dummy page, as in graph capture): the forward runs with `kernels` installed in
     recording mode (every projection the GEMV could take is recorded, and runs the matmul
     library; every norm before one is deferred to it), and `kernels` installed after."""
-    row = engine.dummy_req.table_idx
-    batch = Batch([engine.dummy_req], "decode")
-    batch.input_ids = engine.token_pool[row, :1]
-    batch.positions = torch.zeros(1, dtype=torch.int32, device=engine.device)
-    batch.out_loc = engine.page_table[row, :1]
-    engine.attn_backend.prepare_metadata(batch)
     gemv = kernels.gemv
     assert gemv is not None
     calls: list[ProjectionCall] = []
     recording = dataclasses.replace(kernels, gemv=dataclasses.replace(gemv, recording=calls))
     recording.install(engine.model)
     try:
-        with torch.inference_mode(), engine.ctx.forward_batch(batch):
-            engine.model.forward()
+        engine.forward_dummy()
     finally:
         kernels.install(engine.model)
     return calls
