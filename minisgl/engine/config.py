@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from minisgl.attention import NAMES as ATTENTION_BACKENDS
+from minisgl.engine.graph_config import GraphConfig  # [ch18]
+from minisgl.engine.tp_config import ParallelConfig  # [ch21]
 from minisgl.quant.config import QuantConfig, check_checkpoint_quantization  # [ch28]
 from minisgl.speculative.config import SpeculativeConfig, check_draft_model  # [ch26]
 
@@ -22,52 +24,6 @@ if TYPE_CHECKING:  # the config is built in the API server's process too, which 
 DTYPES = ("bfloat16", "float16", "float32")  # the names a dtype may be given by
 
 
-# >>> ch18 graphs: decode CUDA graphs (ch18) and prefill graphs (ch23)
-@dataclass(kw_only=True)
-class GraphConfig:
-    # Largest captured decode batch; None: from GPU memory on CUDA, off on CPU; 0: off.
-    cuda_graph_max_bs: int | None = None
-    cuda_graph_bs: list[int] | None = None  # an explicit list of batch sizes wins
-    debug_cuda_graph: bool = False  # run eagerly through the graph runner's buffers
-    # >>> ch23 prefill graphs: "off", "breakable", "full"; None: breakable on CUDA, off on CPU
-    prefill_graph: str | None = None
-    prefill_graph_max_tokens: int | None = None  # top bucket; None: min(max_prefill_length, 2048)
-    prefill_graph_tokens: list[int] | None = None  # an explicit list of token buckets wins
-    # <<< ch23
-
-    def check_graphs(self) -> None:
-        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs < 0:
-            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
-        if self.cuda_graph_bs is not None and min(self.cuda_graph_bs, default=1) < 1:
-            raise ValueError(f"cuda_graph_bs must hold sizes >= 1, got {self.cuda_graph_bs}")
-        # >>> ch23
-        if self.prefill_graph not in (None, "off", "breakable", "full"):
-            raise ValueError(
-                f"prefill_graph must be off, breakable or full, got {self.prefill_graph!r}"
-            )
-        for t in self.prefill_graph_tokens or [self.prefill_graph_max_tokens or 1]:
-            if t < 1:
-                raise ValueError(f"prefill graph token counts must be >= 1, got {t}")
-        # <<< ch23
-
-
-# <<< ch18
-# >>> ch21 tensor parallelism
-@dataclass(kw_only=True)
-class ParallelConfig:
-    tp_size: int = 1
-    tp_rank: int = 0  # this process's rank; whoever starts the ranks sets it
-    nnodes: int = 1  # machines the ranks are spread over, tp_size // nnodes ranks on each
-    dist_init_addr: str | None = None  # host:port where the ranks meet: rank 0's machine
-
-    def check_parallel(self) -> None:
-        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank {self.tp_rank} is not a rank of tp_size {self.tp_size}")
-        if self.nnodes < 1 or self.tp_size % self.nnodes:
-            raise ValueError(f"tp_size {self.tp_size} cannot be spread over {self.nnodes} nodes")
-
-
-# <<< ch21
 @dataclass
 class EngineConfig(
     GraphConfig,  # [ch18]
