@@ -25,8 +25,8 @@ import openai
 import pytest
 import zmq
 from fastapi import FastAPI
+from helpers import CONTEXT, MODEL, SMOL_CPU, Server, httpx, metrics, serving, wait_idle
 from starlette.testclient import TestClient
-from test_server import CONTEXT, MODEL, Server, httpx, metrics, running, wait_idle
 
 from minisgl.core import SamplingParams
 from minisgl.message.frontend import AcceptedMsg, TokenizeMsg
@@ -47,7 +47,7 @@ def server(tmp_path_factory) -> Iterator[Server]:
     log_dir = tmp_path_factory.mktemp("guards")
     keys = ("--api-key", KEYS[0], "--api-key", KEYS[1])
     bounds = ("--max-request-bytes", str(BODY_LIMIT), "--client-timeout", str(CLIENT_TIMEOUT))
-    with running(log_dir, *keys, *bounds) as srv:
+    with serving(log_dir, *SMOL_CPU, *keys, *bounds) as srv:
         yield srv
 
 
