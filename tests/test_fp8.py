@@ -556,7 +556,8 @@ KV_TOL = 0.05  # tiny models: max |logit with FP8 K/V - logit| <= this x the lar
 def test_attention_kernels_read_an_fp8_cache_as_its_values() -> None:
     """Decode and extend over e4m3 keys and values equal the same kernels over those values
     widened to q's dtype: the cache's only error is the rounding when it is written."""
-    from minisgl.kernels.attention import decode_attention, extend_attention
+    from minisgl.kernels.decode_attention import decode_attention
+    from minisgl.kernels.extend_attention import extend_attention
 
     gen = torch.Generator().manual_seed(3)
     slots, kv_heads, q_heads, d = 96, 2, 4, 32
