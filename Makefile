@@ -47,7 +47,7 @@ test: models
 	$(BIN)/python tools/steps.py check --no-tests
 
 # Every chapter's tree with its main and its own tests, in that tree only: what `test` cannot
-# see, a chapter's test that leans on a later chapter. About 45 minutes on two shared cores,
+# see, a chapter's test that leans on a later chapter. 30 to 45 minutes on two shared cores,
 # too long to add to CI's `test`; run it before handing in a change to the course.
 steps: models
 	$(BIN)/python tools/steps.py check
