@@ -41,10 +41,14 @@ $(STAMP): pyproject.toml
 models: setup
 	$(BIN)/python tools/prepare_models.py
 
+# The whole suite, then every chapter's tree with its main (CI runs this, see .ci/run).
 test: models
 	$(BIN)/python -m pytest -q --durations=15
 	$(BIN)/python tools/steps.py check --no-tests
 
+# Every chapter's tree with its main and its own tests, in that tree only: what `test` cannot
+# see, a chapter's test that leans on a later chapter. 30 to 45 minutes on two shared cores,
+# too long to add to CI's `test`; run it before handing in a change to the course.
 steps: models
 	$(BIN)/python tools/steps.py check
 

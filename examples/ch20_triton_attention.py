@@ -14,11 +14,9 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from minisgl.kernels.attention import (  # noqa: E402
-    decode_attention,
-    decode_num_splits,
-    extend_attention,
-)
+from minisgl.kernels.attention import decode_num_splits  # noqa: E402
+from minisgl.kernels.decode_attention import decode_attention  # noqa: E402
+from minisgl.kernels.extend_attention import extend_attention  # noqa: E402
 
 torch.manual_seed(0)
 device = "cuda" if torch.cuda.is_available() else "cpu"

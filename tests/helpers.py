@@ -1,11 +1,21 @@
-"""Shared test helpers: model paths, Hugging Face references, and a bare engine driver."""
+"""Shared test helpers: model paths, Hugging Face references, a bare engine driver, and the
+one way the tests start a server (`serving`, or `launch` and `stop` where a test must hold the
+process itself)."""
 
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -149,3 +159,214 @@ class Driver:
 
 
 # <<< ch07
+
+
+# >>> ch16 servers: `python -m minisgl` in a process of its own
+try:
+    import httpx
+except ModuleNotFoundError:  # the openai client may come with the httpx2 fork instead
+    import httpx2 as httpx
+
+CPU = ("--device", "cpu", "--dtype", "float32")  # the flags of most servers the tests start
+CONTEXT = 256  # SMOL_CPU's --max-seq-len-override: a too-long prompt is cheap to write
+SMOL_CPU = (*CPU, "--max-seq-len-override", str(CONTEXT))  # the API tests' server on SmolLM2
+TOOLS_CPU = (*CPU, "--max-seq-len-override", "1024")  # room for a tool list's ~200 tokens
+MODEL = SMOL.name  # the name SmolLM2 is served under: its folder's
+START_TIMEOUT = 180.0  # loading a model on a busy two-core machine
+
+
+@dataclass
+class Server:
+    """A process the tests started, the base URL it answers on, and the file its output goes to."""
+
+    proc: subprocess.Popen
+    base: str
+    log: Path
+    metrics: str = ""  # a router's Prometheus page
+    events: str = ""  # a worker's KV-event endpoint, where it publishes them
+    workers: list[int] = field(default_factory=list)  # its processes once ready; see `stop`
+
+    @property
+    def port(self) -> int:
+        return int(self.base.rsplit(":", 1)[1])
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(cmd: list[str], log: Path, port: int) -> Server:
+    """Start `cmd`, which will answer on `port`, with its output in `log`. One torch thread,
+    and a session of its own: a SIGINT to its process group is a terminal's Ctrl-C, and no
+    signal meant for pytest reaches it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    return Server(proc, f"http://127.0.0.1:{port}", log)
+
+
+def launch(log_dir: Path, *args: str, model: Path = SMOL, port: int | None = None) -> Server:
+    """`python -m minisgl --model MODEL --port PORT *args`, not waited for (see `wait_ready`);
+    its log is LOG_DIR/server-PORT.log."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "minisgl", "--model", str(need(model)), "--port", str(port)]
+    return spawn([*cmd, *args], log_dir / f"server-{port}.log", port)
+
+
+def wait_ready(server: Server, path: str = "/health", timeout: float = START_TIMEOUT) -> str:
+    """Wait until `path` answers 200; the base URL. Fails the test, with the log's tail, if
+    the process exits first or takes longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None:
+            pytest.fail(f"{server.base} exited with {server.proc.returncode}:\n{server.tail()}")
+        try:
+            if httpx.get(server.base + path, timeout=2).status_code == 200:
+                server.workers = descendants(server.proc.pid)
+                return server.base
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"{server.base}{path} did not answer 200 in {timeout:.0f} s:\n{server.tail()}")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children, their children, ...), from /proc."""
+    out, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for children in Path(f"/proc/{parent}/task").glob("*/children"):
+            try:
+                kids = [int(k) for k in children.read_text().split()]
+            except OSError:  # the thread or the process just went
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Running; a zombie counts as gone (a container's init may never reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to `timeout` for the processes to end; those still running."""
+    deadline = time.monotonic() + timeout
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def titles(pids: list[int]) -> list[str]:
+    """The process titles (minisgl::scheduler, ...) of `pids`."""
+    return [Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in pids]
+
+
+def stop(server: Server, timeout: float = 20) -> bool:
+    """End the server whatever state a test left it in: SIGTERM (it drains and stops its
+    workers), SIGKILL after `timeout`, then SIGKILL to any process of it still running.
+    Whether it ended by itself: exited within `timeout` of SIGTERM, leaving no process."""
+    tree = [*server.workers, *descendants(server.proc.pid)]  # workers outlive a killed parent
+    clean = True
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+            clean = False
+    for pid in wait_gone(tree, 5):
+        os.kill(pid, signal.SIGKILL)
+        clean = False
+    return clean
+
+
+@contextmanager
+def serving(
+    log_dir: Path, *args: str, model: Path = SMOL, path: str = "/health"
+) -> Iterator[Server]:
+    """A server (see `launch`), ready; at the end stopped, and checked to have stopped by
+    itself when the test left it running."""
+    server = launch(log_dir, *args, model=model)
+    try:
+        wait_ready(server, path)
+        yield server
+    except BaseException:
+        stop(server)
+        raise
+    running = server.proc.poll() is None
+    assert stop(server) or not running, f"the server did not stop on SIGTERM:\n{server.tail()}"
+
+
+def socket_paths(pid: int) -> dict[str, set[str]]:
+    """Paths of the unix sockets a process holds (zmq's ipc:// endpoints), by path."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    paths: dict[str, set[str]] = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes:
+            paths.setdefault(fields[7], set()).add(fields[6])
+    return paths
+
+
+def ipc_dir(pid: int) -> Path:
+    """The private socket folder of the server whose launcher is `pid`."""
+    dirs = {Path(p).parent for p in socket_paths(pid) if Path(p).parent.name.startswith("minisgl-")}
+    assert len(dirs) == 1, f"expected one minisgl-* socket folder, found {dirs}"
+    return dirs.pop()
+
+
+def metrics(server: Server) -> dict[str, float]:
+    """The server's /metrics, series (labels included) -> value."""
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
+    """Poll /metrics until nothing runs and no KV page is held; returns the last sample."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = m["minisgl:num_requests_running"] == 0 and m["minisgl:kv_pages_used"] == 0
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.25)
+
+
+def check_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    """An error in OpenAI's shape, with the status expected; its `error` object."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    return err
+
+
+# <<< ch16

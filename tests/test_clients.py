@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from test_server import MODEL, Server, check_error, metrics, running
+from helpers import MODEL, SMOL_CPU, Server, check_error, metrics, serving
 
 from minisgl.server.protocol import MAX_PROMPTS
 
@@ -27,7 +27,7 @@ MAX = 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    with running(tmp_path_factory.mktemp("clients")) as srv:
+    with serving(tmp_path_factory.mktemp("clients"), *SMOL_CPU) as srv:
         yield srv
 
 

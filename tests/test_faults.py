@@ -20,16 +20,18 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers import SMOL, need
-from test_server import (
+from helpers import (
     CONTEXT,
     MODEL,
+    SMOL,
+    SMOL_CPU,
     Server,
     descendants,
     httpx,
     ipc_dir,
     launch,
     metrics,
+    need,
     stop,
     wait_gone,
     wait_ready,
@@ -53,25 +55,24 @@ def servers(tmp_path_factory) -> Iterator[dict[str, Server]]:
     log_dir = tmp_path_factory.mktemp("faults")
     small = ("--num-pages", "256", "--max-running-requests", "2")
     launched = {
-        "scheduler": launch(log_dir, *small),
-        "tokenizer": launch(log_dir, *small),
-        "stuck": launch(log_dir, *small, "--worker-timeout", str(STUCK_AFTER)),
+        "scheduler": launch(log_dir, *SMOL_CPU, *small),
+        "tokenizer": launch(log_dir, *SMOL_CPU, *small),
+        "stuck": launch(log_dir, *SMOL_CPU, *small, "--worker-timeout", str(STUCK_AFTER)),
         # The flood first, then SIGTERM: one server serves both.
         "last": launch(
             log_dir,
+            *SMOL_CPU,
             *("--max-running-requests", "8", "--max-queued-requests", "32"),
             *("--shutdown-timeout", str(DRAIN)),
         ),
     }
-    trees: dict[str, list[int]] = {}
     try:
-        for name, s in launched.items():
+        for s in launched.values():
             wait_ready(s)
-            trees[name] = descendants(s.proc.pid)
         yield launched
     finally:
-        for name, s in launched.items():
-            stop(s, trees.get(name, []))
+        for s in launched.values():
+            stop(s)
 
 
 def worker_pid(server: Server, title: str) -> int:

@@ -19,7 +19,8 @@ from helpers import TINY, need
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
 from minisgl.kernels import fused_decode
-from minisgl.kernels.attention import decode_attention, decode_num_splits
+from minisgl.kernels.attention import decode_num_splits
+from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
 from minisgl.kernels.rope_store import qk_rope_store
 from minisgl.layers.rotary import RotaryEmbedding

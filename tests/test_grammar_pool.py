@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY, need
-from test_ch25_api import MODEL, httpx, serving
+from helpers import MODEL, TINY, TOOLS_CPU, httpx, need, serving
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -57,9 +56,9 @@ QUICK = {  # compiles in milliseconds
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
-    log = tmp_path_factory.mktemp("grammars") / "server.log"
-    with serving(log, "--grammar-compile-timeout", str(TIMEOUT)) as base:
-        yield base
+    log_dir = tmp_path_factory.mktemp("grammars")
+    with serving(log_dir, *TOOLS_CPU, "--grammar-compile-timeout", str(TIMEOUT)) as srv:
+        yield srv.base
 
 
 async def plain(http: httpx.AsyncClient) -> float:

@@ -25,8 +25,8 @@ import msgpack
 import pytest
 import torch
 import zmq
-from helpers import TINY, need
-from router_helpers import free_port, server, stop, wait_ready
+from helpers import TINY, free_port, need, stop, wait_ready
+from router_helpers import server
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM

@@ -17,8 +17,19 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers import ROOT, TINY, need
-from test_ch21_tensor_parallel import alive, end, gone, launch, titles, tree_of, wait_ready
+from helpers import (
+    CPU,
+    ROOT,
+    TINY,
+    alive,
+    descendants,
+    launch,
+    need,
+    stop,
+    titles,
+    wait_gone,
+    wait_ready,
+)
 
 NO_GUARD = """
 import torch
@@ -86,11 +97,11 @@ def test_a_rank_killed_mid_generate_makes_generate_raise(tmp_path):
 
 def test_a_rank_killed_mid_request_in_the_server_is_a_503_and_exit_1(tmp_path):
     model = need(TINY["llama"])
-    log = tmp_path / "server.log"
-    server = launch(log, model, "--tp-size", "2")
+    flags = ("--max-seq-len-override", "128", "--num-pages", "256", "--tp-size", "2")
+    server = launch(tmp_path, *CPU, *flags, model=model)
     try:
-        base = wait_ready(server, log)
-        pids = tree_of(server.pid)
+        base = wait_ready(server)
+        pids = [server.proc.pid, *descendants(server.proc.pid)]
         rank = [p for p, t in zip(pids, titles(pids)) if t == "minisgl::scheduler-1"]
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         body = dict(
@@ -105,7 +116,7 @@ def test_a_rank_killed_mid_request_in_the_server_is_a_503_and_exit_1(tmp_path):
                 pass
         answered = time.monotonic() - killed
         assert answered < 2, f"the stream ended {answered:.1f} s after the kill"
-        assert server.wait(10) == 1, log.read_text()[-3000:]
-        assert gone(pids, 2), f"left: {[p for p in pids if alive(p)]}"
+        assert server.proc.wait(10) == 1, server.tail()
+        assert not wait_gone(pids, 2), f"left: {[p for p in pids if alive(p)]}"
     finally:
-        end(server)
+        stop(server)

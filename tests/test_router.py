@@ -28,18 +28,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from helpers import SMOL, need
-from router_helpers import (
-    Proc,
-    child_titled,
-    counters,
-    free_port,
-    router,
-    server,
-    skip_without_router,
-    stop,
-    wait_ready,
-)
+from helpers import SMOL, Server, free_port, need, stop, wait_ready
+from router_helpers import child_titled, counters, router, server, skip_without_router
 
 skip_without_router(__name__)
 
@@ -57,7 +47,7 @@ ACCESS = re.compile(r'"(GET|POST) (\S+) HTTP/1.1" (\d+)')
 
 
 @pytest.fixture(scope="module")
-def workers(tmp_path_factory) -> Iterator[list[Proc]]:
+def workers(tmp_path_factory) -> Iterator[list[Server]]:
     log_dir = tmp_path_factory.mktemp("router")
     procs = []
     for _ in range(2):  # each publishes its KV-cache events, for vllm-router's kv_aware
@@ -116,7 +106,9 @@ def test_what_a_router_asks_of_a_worker(workers):
         assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
 
 
-def routed(workers: list[Proc], policy: str, *extra: str, module: str = "sglang_router") -> Proc:
+def routed(
+    workers: list[Server], policy: str, *extra: str, module: str = "sglang_router"
+) -> Server:
     r = router([w.base for w in workers], policy, workers[0].log.parent, *extra, module=module)
     wait_ready(r, "/readiness")
     return r
@@ -137,7 +129,7 @@ def converse(base: str) -> list[str]:
     return answers
 
 
-def totals(workers: list[Proc], *names: str) -> list[float]:
+def totals(workers: list[Server], *names: str) -> list[float]:
     snaps = [counters(w) for w in workers]
     return [sum(s[f"minisgl:{n}_total"] for s in snaps) for n in names]
 
@@ -281,7 +273,7 @@ def stream(base: str, body: dict, out: dict, key: str, stop_when: threading.Even
     out[key] = (last, time.monotonic())
 
 
-def load(w: Proc) -> dict:
+def load(w: Server) -> dict:
     [entry] = httpx.get(w.base + "/get_load", timeout=10).json()
     return entry
 

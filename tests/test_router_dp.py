@@ -14,24 +14,23 @@ import importlib.util
 import os
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from helpers import TINY, need
-from router_helpers import (
-    Proc,
+from helpers import (
+    TINY,
+    Server,
     descendants,
-    free_port,
-    skip_without_router,
-    spawn,
+    launch,
+    need,
     stop,
     wait_gone,
     wait_ready,
 )
+from router_helpers import skip_without_router
 
 from minisgl.server.args import parse_args
 from minisgl.server.replicas import gpu_sets
@@ -92,17 +91,15 @@ def test_each_replica_gets_gpus_of_its_own(monkeypatch, router_installed):
         sets("--tp-size", "2", count=3)
 
 
-def replica_set(tmp_path, *flags: str) -> Proc:
+def replica_set(tmp_path, *flags: str) -> Server:
     skip_without_router(__name__)
-    port = free_port()
-    cmd = [sys.executable, "-m", "minisgl", "--model", str(need(MODEL)), "--device", "cpu"]
-    cmd += ["--dp-size", "2", "--port", str(port), "--shutdown-timeout", "5", *flags]
-    p = spawn(cmd, tmp_path / "dp.log", port)
+    replicas = ("--dp-size", "2", "--shutdown-timeout", "5")
+    p = launch(tmp_path, "--device", "cpu", *replicas, *flags, model=MODEL)
     wait_ready(p, "/readiness")
     return p
 
 
-def replica_urls(p: Proc) -> list[str]:
+def replica_urls(p: Server) -> list[str]:
     return re.findall(r"replica \d: (http://127\.0\.0\.1:\d+)", p.log.read_text())
 
 

@@ -20,14 +20,11 @@ import os
 import random
 import re
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,171 +32,35 @@ from typing import Any
 import openai
 import pytest
 import torch
-from helpers import SMOL, need
+from helpers import (
+    CONTEXT,
+    MODEL,
+    SMOL,
+    SMOL_CPU,
+    Server,
+    check_error,
+    descendants,
+    httpx,
+    ipc_dir,
+    launch,
+    metrics,
+    need,
+    serving,
+    socket_paths,
+    stop,
+    wait_gone,
+    wait_idle,
+    wait_ready,
+)
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.tokenizer.tokenizer import Tokenizer
 
-try:
-    import httpx
-except ModuleNotFoundError:  # the openai client may come with the httpx2 fork instead
-    import httpx2 as httpx
-
-MODEL = SMOL.name  # the served name: the model folder's
-CONTEXT = 256  # --max-seq-len-override: a too-long prompt is cheap to write
 PROMPT = "The capital of France is"  # greedy: " Paris.\n\nThe answer ..."
 MAX = 6
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT_MAX = 8  # greedy: "The capital of France is Paris." and <|im_end|>
-START_TIMEOUT = 180.0  # loading the model on a busy two-core machine
-
-
-# ---- servers ------------------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str
-    log: Path
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-3000:]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(log_dir: Path, *extra: str) -> Server:
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "minisgl",
-        "--model",
-        str(SMOL),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--port",
-        str(port),
-        "--max-seq-len-override",
-        str(CONTEXT),
-        *extra,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    log = log_dir / f"server-{port}.log"
-    with log.open("wb") as out:
-        # Its own session, so that a SIGINT to its process group is a terminal's Ctrl-C.
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    return Server(proc, f"http://127.0.0.1:{port}", log)
-
-
-def wait_ready(server: Server, timeout: float = START_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(f"the server exited with {server.proc.returncode}:\n{server.tail()}")
-        try:
-            if httpx.get(server.base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the server was not healthy after {timeout:.0f} s:\n{server.tail()}")
-
-
-def stop(server: Server, pids: list[int]) -> None:
-    """The finalizer: end the server whatever state a test left it in."""
-    if server.proc.poll() is None:
-        server.proc.terminate()
-        try:
-            server.proc.wait(15)
-        except subprocess.TimeoutExpired:
-            server.proc.kill()
-            server.proc.wait()
-    for pid in pids:
-        if alive(pid):
-            os.kill(pid, signal.SIGKILL)
-
-
-@contextmanager
-def running(log_dir: Path, *extra: str) -> Iterator[Server]:
-    """A server on SmolLM2, ready, and stopped with every process it started at the end."""
-    need(SMOL)
-    srv = launch(log_dir, *extra)
-    pids: list[int] = []
-    try:
-        wait_ready(srv)
-        pids = descendants(srv.proc.pid)
-        yield srv
-    finally:
-        stop(srv, pids)
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        import psutil
-    except ModuleNotFoundError:
-        psutil = None
-    if psutil is not None:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    out, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for children in Path(f"/proc/{parent}/task").glob("*/children"):
-            for child in map(int, children.read_text().split()):
-                out.append(child)
-                todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    """Running; a zombie counts as gone (a container's init may never reap it)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def socket_paths(pid: int) -> dict[str, set[str]]:
-    """Paths of the unix sockets a process holds (zmq's ipc:// endpoints), by path."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    paths: dict[str, set[str]] = {}
-    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
-        fields = line.split()
-        if len(fields) >= 8 and fields[6] in inodes:
-            paths.setdefault(fields[7], set()).add(fields[6])
-    return paths
-
-
-def ipc_dir(pid: int) -> Path:
-    """The private socket folder of the server whose launcher is `pid`."""
-    dirs = {Path(p).parent for p in socket_paths(pid) if Path(p).parent.name.startswith("minisgl-")}
-    assert len(dirs) == 1, f"expected one minisgl-* socket folder, found {dirs}"
-    return dirs.pop()
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return left
 
 
 # ---- fixtures -----------------------------------------------------------------------------
@@ -207,7 +68,7 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    with running(tmp_path_factory.mktemp("server")) as srv:
+    with serving(tmp_path_factory.mktemp("server"), *SMOL_CPU) as srv:
         yield srv
 
 
@@ -250,26 +111,6 @@ def offline(llm: LLM, prompt: str | list[int], max_tokens: int, **params: Any) -
 
 def chat_ids(tok: Tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
-
-
-def metrics(server: Server) -> dict[str, float]:
-    text = httpx.get(server.base + "/metrics", timeout=10).text
-    return {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-    }
-
-
-def wait_idle(server: Server, timeout: float = 30.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs and no KV page is held; returns the last sample."""
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metrics(server)
-        idle = m["minisgl:num_requests_running"] == 0 and m["minisgl:kv_pages_used"] == 0
-        if idle or time.monotonic() > deadline:
-            return m
-        time.sleep(0.25)
 
 
 # ---- completions and chat: the same tokens as offline -------------------------------------
@@ -825,17 +666,6 @@ BAD = [
 ]
 
 
-def check_error(r: httpx.Response, status: int) -> dict[str, Any]:
-    assert r.status_code == status, r.text
-    body = r.json()
-    assert set(body) == {"error"}, body
-    err = body["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    assert isinstance(err["message"], str) and err["message"], err
-    assert isinstance(err["type"], str) and err["type"], err
-    return err
-
-
 @pytest.mark.parametrize(
     "path,payload,param", [(p, b, q) for p, _, b, q in BAD], ids=[f"{p}-{i}" for p, i, *_ in BAD]
 )
@@ -1156,16 +986,14 @@ def spares(tmp_path_factory) -> Iterator[list[Server]]:
     """Three more servers, started together: one for each way of ending."""
     need(SMOL)
     log_dir = tmp_path_factory.mktemp("spares")
-    servers = [launch(log_dir, "--num-pages", "256") for _ in range(3)]
-    trees: dict[int, list[int]] = {}
+    servers = [launch(log_dir, *SMOL_CPU, "--num-pages", "256") for _ in range(3)]
     try:
         for s in servers:
             wait_ready(s)
-            trees[s.proc.pid] = descendants(s.proc.pid)
         yield servers
     finally:
         for s in servers:
-            stop(s, trees.get(s.proc.pid, []))
+            stop(s)
 
 
 def test_metrics_from_start_up(spares):

@@ -14,15 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, SMOL
-from test_server import Server, metrics, running, wait_idle
+from helpers import ROOT, SMOL, SMOL_CPU, Server, metrics, serving, wait_idle
 
 TOOLS = ROOT / "tools"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    with running(tmp_path_factory.mktemp("serving-tools")) as srv:
+    with serving(tmp_path_factory.mktemp("serving-tools"), *SMOL_CPU) as srv:
         yield srv
 
 

@@ -243,6 +243,20 @@ def test_fences_counts_later_chapter_lines(tmp_path: Path) -> None:
     assert r.stdout.splitlines() == ["   10    13  76.9% minisgl/core.py", "total 10/15 = 66.7%"]
 
 
+def test_check_fails_over_the_fence_budget(tmp_path: Path) -> None:
+    root = make_repo(tmp_path / "repo")
+    manifest = root / "tools/chapters.toml"
+    manifest.write_text("fence_budget = 70\n" + MANIFEST)
+    r = steps_cli(root, "check", "--no-tests")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "later-chapter lines: 10/15 = 66.67% of the package (budget 70%)" in r.stdout
+    manifest.write_text("fence_budget = 60\n" + MANIFEST)
+    r = steps_cli(root, "check", "--no-tests")
+    assert r.returncode == 1 and "3/3 chapters passed" in r.stdout, r.stdout + r.stderr
+    assert "FAIL: later-chapter lines are 66.67% of the package, over the manifest's" in r.stdout
+    assert "fence_budget of 60%" in r.stdout and "(most: minisgl/core.py 10" in r.stdout
+
+
 # ---- the chapter texts ---------------------------------------------------------------------
 
 DOCS = {

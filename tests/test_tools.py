@@ -2,7 +2,7 @@
 the benchmarks run their CPU smoke mode on a tiny model, a few seconds each.
 
 The tools that chapters bring are run at full length with their chapters: profile_step.py
-in test_ch24_measuring.py, check_tp.py in test_check_tp.py, bench_serving.py and soak.py
+in test_measuring.py, check_tp.py in test_check_tp.py, bench_serving.py and soak.py
 against a live server in test_serving_tools.py, steps.py in test_steps.py, figures.py (its
 pictures that need no model) in test_figures.py.
 """

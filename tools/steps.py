@@ -23,6 +23,8 @@ Manifest (TOML; every path is relative to ROOT; every file is listed exactly onc
     tests = ["tests/test_config.py"]             # run with pytest, in this chapter's tree only
 
     docs = "docs"  # optional: each chapter's text is DOCS/<main's file name>.md, checked too
+    fence_budget = 6.0  # optional: `check` fails where later-chapter lines (see `fences`)
+                        # are more than this share of the package's lines, in per cent
 
 Every .py file under minisgl/ must be listed by some chapter. Package __init__.py files are
 pulled into a tree with their folder; list each in the chapter that first needs the package.
@@ -184,6 +186,26 @@ def print_fences(root: Path) -> None:
     print(f"total {fence}/{total} = {100 * fence / max(total, 1):.1f}%")
 
 
+def fence_problem(m: Manifest) -> tuple[str, str]:
+    """(the share of later-chapter lines as a line to print, why it is over budget or '')."""
+    rows = fences(m.root)
+    fence, total = sum(r[0] for r in rows), sum(r[1] for r in rows)
+    share = 100 * fence / max(total, 1)
+    line = f"later-chapter lines: {fence}/{total} = {share:.2f}% of the package"
+    if m.fence_budget is None:
+        return line, ""
+    line += f" (budget {m.fence_budget:g}%)"
+    if share <= m.fence_budget:
+        return line, ""
+    most = ", ".join(f"{p} {f}" for f, _, p in sorted(rows, reverse=True)[:5])
+    why = (
+        f"later-chapter lines are {share:.2f}% of the package, over the manifest's fence_budget"
+        f" of {m.fence_budget:g}%: move a later chapter's code out of an earlier file into a"
+        f" module of the chapter's own (most: {most}; `steps.py fences` lists them all)"
+    )
+    return line, why
+
+
 @dataclass
 class Chapter:
     id: str
@@ -204,6 +226,7 @@ class Manifest:
     always: list[str]
     chapters: list[Chapter]
     docs: str | None = None  # the folder of the chapter texts, when they are checked
+    fence_budget: float | None = None  # the most later-chapter lines, in % of the package
     owner: dict[str, Chapter] = field(default_factory=dict)  # file -> chapter listing it
 
     @staticmethod
@@ -214,6 +237,7 @@ class Manifest:
         except TypeError as e:  # a missing or unknown key in a [[chapter]] table
             raise StepsError([f"{path}: {e}"]) from e
         m = Manifest(root, list(data.get("always", [])), chapters, data.get("docs"))
+        m.fence_budget = data.get("fence_budget")
         for ch in chapters:
             for f in [*ch.files, ch.main, *ch.tests]:
                 m.owner.setdefault(f, ch)
@@ -515,7 +539,11 @@ def check(m: Manifest, only: list[str], tests: bool, keep: bool, timeout: float)
     ran = len(only) if only else len(m.chapters)
     print(f"\n{ran - len(failed)}/{ran} chapters passed; failed: {' '.join(failed) or 'none'}")
     print("introduced early: " + (", ".join(early) if early else "none"))
-    return 1 if failed else 0
+    share, over = fence_problem(m)
+    print(share)
+    if over:
+        print(f"FAIL: {over}")
+    return 1 if failed or over else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ import torch
 from common import add_device_args, parse
 
 from minisgl.kernels import attention as attn
+from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
@@ -102,7 +103,7 @@ class Shape:
         qo = torch.tensor([0, length], dtype=torch.int32, device=dev)
 
         def run() -> torch.Tensor:
-            return attn.extend_attention(
+            return extend_attention(
                 q, self.k, self.v, self.table, rows, seq_lens, qo, length, a.head_dim**-0.5
             )
 

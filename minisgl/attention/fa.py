@@ -8,7 +8,7 @@ Hopper build) takes any page size.
 
 Not exercised on our machines: flash-attn publishes no wheel for the torch and CUDA we
 run, and building it takes about an hour. Its plumbing is tested on CPU against a
-stand-in module (tests/test_ch20_triton_attention.py).
+stand-in module (tests/test_triton_attention.py).
 """
 
 from __future__ import annotations

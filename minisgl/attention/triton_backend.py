@@ -1,4 +1,4 @@
-"""Our own attention kernels (minisgl/kernels/attention.py) as a backend.
+"""Our own attention kernels (minisgl/kernels/*_attention.py) as a backend.
 
 The metadata is the page-table form the kernels read directly: each request's row of the
 page table, its length, and where its new tokens sit in the batch. Triton ships with
@@ -68,10 +68,11 @@ class TritonAttnBackend(BaseAttnBackend):
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
     ) -> None:
-        from minisgl.kernels import attention as kernels
+        from minisgl.kernels.decode_attention import decode_attention
+        from minisgl.kernels.extend_attention import extend_attention
 
         super().__init__(kv_cache, page_table, scale, num_qo_heads)
-        self.kernels = kernels
+        self.decode_attention, self.extend_attention = decode_attention, extend_attention
         self.capture: TritonCaptureData | None = None
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -101,7 +102,7 @@ class TritonAttnBackend(BaseAttnBackend):
         assert isinstance(md, TritonMetadata)
         k_cache, v_cache = self.kv_cache.k_cache(layer_id), self.kv_cache.v_cache(layer_id)
         if md.max_extend_len == 1:
-            return self.kernels.decode_attention(
+            return self.decode_attention(
                 q,
                 k_cache,
                 v_cache,
@@ -112,7 +113,7 @@ class TritonAttnBackend(BaseAttnBackend):
                 self.window(layer_id),  # [ch29]
                 *self.kv_cache.scales(layer_id),  # [ch28]
             )
-        return self.kernels.extend_attention(
+        return self.extend_attention(
             q,
             k_cache,
             v_cache,

@@ -1,5 +1,4 @@
-"""FP8 weights on the GPU: a matrix-vector product that reads them as stored, and the
-quantiser that feeds activations to the FP8 matmul of larger batches.
+"""FP8 weights on the GPU: a matrix-vector product that reads them as stored.
 
 A decode step of a few tokens reads every weight once and uses it once, so its time is the
 bytes of the weights over the memory's bandwidth: half the bytes, half the time, but only
@@ -14,27 +13,26 @@ columns (a Hugging Face FP8 checkpoint): every row of a program lies in one bloc
 program's rows, and the kernel multiplies x by it instead of W: the same product, with one
 load of a scale per column rather than per weight.
 
-`quantize_groups` is one half of the FP8 matmul that larger batches use (torch's
-`_scaled_mm`): it maps each row of activations, or each group of its columns, into FP8's
-range with a scale of its own, one program per group (with a residual add and RMSNorm in
-front, where a norm was deferred to the projection).
-
-`fp8_mma_gemv` is the other way to a few rows: x quantised per row too, then W streamed
-through the tensor cores against x's rows padded to 16. Where the GEMV's partial sums do not
-fit in registers (a gated projection, several rows) it is the faster; the start-up
-measurement (engine/kernel_choice.py) decides per projection and row count.
+`quantize_groups` (fp8_quantize.py) and `fp8_mma_gemv` (fp8_mma.py) are the other ways FP8
+weights are used; they are imported here too, so that quant/fp8.py finds every FP8 kernel
+in one module.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.fp8_mma import (  # noqa: F401 (quant/fp8.py's one module of FP8 kernels)
+    MMA_MAX_ROWS,
+    MmaBlocks,
+    fp8_mma_candidates,
+    fp8_mma_gemv,
+)
+from minisgl.kernels.fp8_quantize import quantize_groups  # noqa: F401
+
 MAX_ROWS = 8  # rows of x (tokens) the kernel takes
-FP8_MAX = tl.constexpr(448.0)  # the largest finite float8_e4m3fn (a constexpr: kernels read it)
 
 
 @triton.jit
@@ -185,169 +183,5 @@ def fp8_gemv(
         SCALE_N=scale_rows, SCALE_K=scale_cols, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_K=block_k, ROW_SCALES=row_scales, HAS_BIAS=bias is not None, GATED=gated,
         NORM=norm is not None, num_warps=warps,
-    )  # fmt: skip
-    return y
-
-
-@triton.jit
-def _round_to_e4m3(x):
-    """x (fp32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still
-    in fp32: 3 mantissa bits, and below 2^-6 (the subnormals) steps of 2^-9. The cast that
-    follows is then exact, so every GPU and Triton's interpreter (whose own fp32-to-FP8
-    conversion misrounds where the mantissa carries, 124.7 to 64) store the same bytes."""
-    exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(exponent, -6) - 3  # the step is 2^e; both powers of two are exact
-    step = ((e + 127) << 23).to(tl.float32, bitcast=True)
-    per_step = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    magic = 12582912.0  # 1.5 * 2^23: adding and taking it away rounds to an integer, ties even
-    return ((x * per_step + magic) - magic) * step
-
-
-@triton.jit
-def _quantize_kernel(
-    X, Q, S, R, R_OUT, NW, eps, K, stride_xm, stride_qm, stride_sm, stride_sg,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
-):  # fmt: skip
-    # NORM (one group per row): x is RMSNorm(x + r) with weight NW, and x + r goes to R_OUT
-    row, group = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    cols = group * GROUP + offs
-    mask = (offs < GROUP) & (cols < K)
-    x = tl.load(X + row * stride_xm + cols, mask=mask, other=0.0)
-    if NORM:  # as RMSNorm computes it: the sum in the model dtype, the norm in fp32
-        x = (x.to(tl.float32) + tl.load(R + row * stride_xm + cols, mask=mask, other=0.0)).to(
-            X.dtype.element_ty
-        )
-        tl.store(R_OUT + row * stride_xm + cols, x, mask=mask)
-        x = x.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / K + eps)
-        x = (x * rstd).to(X.dtype.element_ty) * tl.load(NW + cols, mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    # divisions rounded as IEEE (and torch) round them: a GPU's default may be 2 ulp off
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12), FP8_MAX)
-    q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX))
-    tl.store(Q + row * stride_qm + cols, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row * stride_sm + group * stride_sg, scale)
-
-
-def quantize_groups(
-    x: torch.Tensor,
-    group: int,
-    norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [m, k] -> (q [m, k] float8_e4m3fn, scales [m, ceil(k / group)] fp32), x ≈ q * scale
-    group by group. Several groups' scales are laid out column by column (strides (1, m)),
-    as the block-scaled matmul reads them; one group's are the per-row scales [m, 1].
-    norm = (residual, residual_out, norm_weight, eps), one group per row: what is quantised
-    is RMSNorm(x + residual), and x + residual is written to residual_out."""
-    m, k = x.shape
-    assert x.stride(1) == 1 and (norm is None or group >= k)
-    groups = triton.cdiv(k, group)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    if groups > 1:  # column-major: the layout of cuBLAS's 1x128 recipe
-        scales = torch.empty((groups, m), dtype=torch.float32, device=x.device).t()
-    else:
-        scales = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    residual, residual_out, norm_weight, eps = norm or (x, x, x, 0.0)
-    if norm is not None:
-        assert residual.stride() == residual_out.stride() == x.stride()
-    block = triton.next_power_of_2(group)
-    _quantize_kernel[(m, groups)](
-        x, q, scales, residual, residual_out, norm_weight, eps, k, x.stride(0), q.stride(0),
-        scales.stride(0), scales.stride(1), GROUP=group, BLOCK=block, NORM=norm is not None,
-        num_warps=min(8, max(1, block // 1024)),
-    )  # fmt: skip
-    return q, scales
-
-
-# ---- a few rows on the tensor cores: x in FP8 too --------------------------------------
-
-
-class MmaBlocks(NamedTuple):
-    """The launch of `fp8_mma_gemv`: output features per program, K per step, warps, and
-    the steps of W in flight (stages of Triton's software pipeline)."""
-
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
-
-
-@triton.jit
-def _fp8_mma_gemv_kernel(
-    XQ, XS, W, S, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-):  # fmt: skip
-    # y^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T [K, 16]: the rows of x (up to 16) are the narrow
-    # side of the product; W is the wide one, read once, as stored. K % BLOCK_K == 0 and
-    # N % BLOCK_N == 0 (the host asks), so no load is masked but x's missing rows.
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, 16)
-    rk = tl.arange(0, BLOCK_K)
-    m_mask = rm < M
-    w_ptrs = W + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = XQ + rm[None, :] * stride_xm + rk[:, None]
-    acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    if GATED:
-        up_ptrs = w_ptrs + N * stride_wn
-        acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        xt = tl.load(x_ptrs, mask=m_mask[None, :], other=0.0)
-        acc = tl.dot(tl.load(w_ptrs), xt, acc)
-        if GATED:
-            acc_up = tl.dot(tl.load(up_ptrs), xt, acc_up)
-            up_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    xs = tl.load(XS + rm, mask=m_mask, other=0.0)[None, :]  # x's scale per row (column here)
-    y = acc * tl.load(S + rn)[:, None] * xs
-    if HAS_BIAS:
-        y += tl.load(BIAS + rn).to(tl.float32)[:, None]
-    dtype = Y.dtype.element_ty
-    if GATED:  # rounded to the model dtype first, as the unfused matmul's output is
-        up = (acc_up * tl.load(S + N + rn)[:, None] * xs).to(dtype).to(tl.float32)
-        gate = y.to(dtype).to(tl.float32)
-        y = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(Y + rm[None, :] * stride_ym + rn[:, None], y.to(dtype), mask=m_mask[None, :])
-
-
-MMA_MAX_ROWS = 16  # rows of x the tensor-core GEMV takes (the narrow side of its product)
-
-
-def fp8_mma_candidates(n: int, k: int) -> list[MmaBlocks]:
-    """The launches the start-up measurement tries, from the H200 sweep of Qwen3-8B's
-    projections at one row (the best three for gate_up and the LM head); only those whose
-    blocks divide the shape."""
-    tried = [MmaBlocks(64, 256, 4, 3), MmaBlocks(64, 128, 4, 4), MmaBlocks(32, 256, 2, 3)]
-    return [b for b in tried if n % b.block_n == 0 and k % b.block_k == 0]
-
-
-def fp8_mma_gemv(
-    xq: torch.Tensor,
-    xs: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    blocks: MmaBlocks,
-    dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    gated: bool = False,
-) -> torch.Tensor:
-    """(xq [m, k] FP8 with per-row scales xs [m, 1]) @ (weight [n, k] FP8, per-row scales
-    scale [n, 1]).T (+ bias) -> [m, n] in dtype; gated as `fp8_gemv`. What the matmul
-    library's FP8 path computes (x quantised per row, both scales on the sums), for at most
-    MMA_MAX_ROWS rows, in one kernel that streams W through the tensor cores."""
-    m, k = xq.shape
-    n = weight.size(0) // 2 if gated else weight.size(0)
-    assert m <= MMA_MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1
-    assert xq.dtype == weight.dtype == torch.float8_e4m3fn and scale.shape == (weight.size(0), 1)
-    assert n % blocks.block_n == 0 and k % blocks.block_k == 0 and xs.stride(0) == 1
-    assert not (gated and bias is not None)
-    y = torch.empty((m, n), dtype=dtype, device=xq.device)
-    _fp8_mma_gemv_kernel[(n // blocks.block_n,)](
-        xq, xs, weight, scale, y, bias if bias is not None else scale, m, n, k, xq.stride(0),
-        weight.stride(0), y.stride(0), BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k,
-        HAS_BIAS=bias is not None, GATED=gated, num_warps=blocks.warps,
-        num_stages=blocks.stages,
     )  # fmt: skip
     return y

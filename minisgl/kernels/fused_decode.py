@@ -33,11 +33,10 @@ import triton.language as tl
 from minisgl.kernels.attention import (
     DECODE_BLOCK_N,
     _attend_range,
-    _fp16,  # [ch28]
     decode_launch,
     decode_num_splits,
-    fp16_dots,  # [ch28]
 )
+from minisgl.kernels.fp8_attention import _fp16, fp16_dots  # [ch28]
 from minisgl.kernels.pdl import pdl_launch, pdl_wait
 from minisgl.kernels.rope_store import _cached
 

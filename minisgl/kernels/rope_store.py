@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.fp8_gemv import _round_to_e4m3  # [ch28]
+from minisgl.kernels.fp8_quantize import _round_to_e4m3  # [ch28]
 
 
 @triton.jit(do_not_specialize=["tokens"])

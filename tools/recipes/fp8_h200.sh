@@ -79,7 +79,7 @@ case $PART in
     $PY tools/bench_fp8.py kernels --model "$M" --rows 1,2,4,8,16,64
     ;;
   checks)
-    $PY -m pytest -q tests/test_ch28_fp8.py -k "gpu or fp8_gemv or quantiser or scaled_mm" -rs
+    $PY -m pytest -q tests/test_fp8.py -k "gpu or fp8_gemv or quantiser or scaled_mm" -rs
     if [ -f models/SmolLM2-135M-Instruct/config.json ]; then
       $PY tools/bench_fp8.py agreement --device cuda --dtype bfloat16
     fi

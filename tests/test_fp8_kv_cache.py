@@ -22,7 +22,8 @@ from safetensors.torch import save_file
 
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed.info import set_tp_info
-from minisgl.kernels.attention import decode_attention, extend_attention
+from minisgl.kernels.decode_attention import decode_attention
+from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
 from minisgl.kernels.rope_store import qk_rope_store
 from minisgl.kvcache.allocator import page_slots

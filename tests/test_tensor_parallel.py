@@ -11,9 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -24,7 +21,23 @@ import openai
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import SMOL, TINY, all_logits, hf_greedy, make_engine, need
+from helpers import (
+    CPU,
+    SMOL,
+    TINY,
+    alive,
+    all_logits,
+    descendants,
+    free_port,
+    hf_greedy,
+    launch,
+    make_engine,
+    need,
+    stop,
+    titles,
+    wait_gone,
+    wait_ready,
+)
 
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed import Split, destroy_distributed, get_tp_info, init_distributed
@@ -39,13 +52,6 @@ from minisgl.tokenizer.tokenizer import Tokenizer
 
 PROMPT = list(range(5, 17))
 DECODED = [7, 8, 9]  # teacher-forced tokens after the prompt
-START_TIMEOUT = 180.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_kv_head_model(folder: Path) -> Path:
@@ -195,70 +201,7 @@ def test_smollm2_tp3_greedy_matches_tp1_and_hf() -> None:
 # ---- servers ------------------------------------------------------------------------------
 
 
-def launch(log: Path, model: Path, *extra: str, port: int | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "minisgl", "--model", str(model), "--device", "cpu"]
-    cmd += ["--dtype", "float32", "--max-seq-len-override", "128", "--num-pages", "256"]
-    cmd += ["--port", str(port or free_port()), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("wb") as out:
-        return subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-
-
-def port_of(proc: subprocess.Popen) -> int:
-    return int(proc.args[proc.args.index("--port") + 1])
-
-
-def wait_ready(proc: subprocess.Popen, log: Path) -> str:
-    base = f"http://127.0.0.1:{port_of(proc)}"
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"the server was not healthy in time:\n{log.read_text()[-3000:]}")
-
-
-def tree_of(pid: int) -> list[int]:
-    out, todo = [pid], [pid]
-    while todo:
-        for children in Path(f"/proc/{todo.pop()}/task").glob("*/children"):
-            kids = [int(c) for c in children.read_text().split()]
-            out += kids
-            todo += kids
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def titles(pids: list[int]) -> list[str]:
-    return [Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].decode() for p in pids]
-
-
-def gone(pids: list[int], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(alive(p) for p in pids)
-
-
-def end(*procs: subprocess.Popen) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+TP_SERVER = (*CPU, "--max-seq-len-override", "128", "--num-pages", "256")
 
 
 def greedy_offline(model: Path, prompt: str, n: int) -> list[int]:
@@ -271,11 +214,10 @@ def greedy_offline(model: Path, prompt: str, n: int) -> list[int]:
 
 def test_tp2_server_serves_the_openai_client_and_drains_on_sigterm(tmp_path: Path) -> None:
     model = need(TINY["llama"])
-    log = tmp_path / "server.log"
-    server = launch(log, model, "--tp-size", "2")
+    server = launch(tmp_path, *TP_SERVER, "--tp-size", "2", model=model)
     try:
-        base = wait_ready(server, log)
-        pids = tree_of(server.pid)
+        base = wait_ready(server)
+        pids = [server.proc.pid, *descendants(server.proc.pid)]
         assert {"minisgl::scheduler", "minisgl::scheduler-1"} <= set(titles(pids)), titles(pids)
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
         reply = client.completions.create(
@@ -296,33 +238,32 @@ def test_tp2_server_serves_the_openai_client_and_drains_on_sigterm(tmp_path: Pat
                     temperature=0, stream_options={"include_usage": True})  # fmt: skip
         chunks = client.completions.create(**body, extra_body={"ignore_eos": True})
         next(iter(chunks))
-        os.killpg(server.pid, signal.SIGTERM)
+        os.killpg(server.proc.pid, signal.SIGTERM)
         rest = list(chunks)
         reasons = [c.choices[0].finish_reason for c in rest if c.choices]
         assert reasons[-1] == "length", rest[-3:]
         usage = [c.usage for c in rest if c.usage is not None]
         assert usage and usage[-1].completion_tokens == 60, rest[-3:]
-        assert server.wait(15) == 0, log.read_text()[-3000:]
-        assert gone(pids, 10), f"left after SIGTERM: {[p for p in pids if alive(p)]}"
+        assert server.proc.wait(15) == 0, server.tail()
+        assert not wait_gone(pids, 10), f"left after SIGTERM: {[p for p in pids if alive(p)]}"
     finally:
-        end(server)
+        stop(server)
 
 
 def test_two_nodes_on_one_host_serve_and_a_dead_rank_stops_the_server(tmp_path: Path) -> None:
     model = need(TINY["qwen3"])
     addr = f"127.0.0.1:{free_port()}"
     nodes = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
-    log0, log1 = tmp_path / "node0.log", tmp_path / "node1.log"
-    node1 = launch(log1, model, *nodes, "--node-rank", "1")
-    node0 = launch(log0, model, *nodes, "--node-rank", "0")
+    node1 = launch(tmp_path, *TP_SERVER, *nodes, "--node-rank", "1", model=model)
+    node0 = launch(tmp_path, *TP_SERVER, *nodes, "--node-rank", "0", model=model)
     try:
-        base = wait_ready(node0, log0)
+        base = wait_ready(node0)
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
         reply = client.chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, seed=5
         )
         assert reply.usage.completion_tokens == 4 and reply.choices[0].message.content
-        node1_pids = tree_of(node1.pid)
+        node1_pids = [node1.proc.pid, *descendants(node1.proc.pid)]
         ranks = [p for p, t in zip(node1_pids, titles(node1_pids)) if t.startswith("minisgl::")]
         assert titles(ranks) == ["minisgl::scheduler-1"], titles(node1_pids)
         # The rank on the other "machine" dies: node 0 answers 503, then exits non-zero.
@@ -335,8 +276,9 @@ def test_two_nodes_on_one_host_serve_and_a_dead_rank_stops_the_server(tmp_path: 
                 break
             time.sleep(0.1)
         assert status == 503
-        assert node0.wait(20) != 0
-        assert node1.wait(20) != 0  # its only rank died
-        assert gone(tree_of(node0.pid) + node1_pids, 10)
+        assert node0.proc.wait(20) != 0
+        assert node1.proc.wait(20) != 0  # its only rank died
+        assert not wait_gone([node0.proc.pid, *descendants(node0.proc.pid), *node1_pids], 10)
     finally:
-        end(node0, node1)
+        stop(node0)
+        stop(node1)

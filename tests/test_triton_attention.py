@@ -20,12 +20,9 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.attention.triton_backend import TritonAttnBackend
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
-from minisgl.kernels.attention import (
-    DECODE_MAX_SPLITS,
-    decode_attention,
-    decode_num_splits,
-    extend_attention,
-)
+from minisgl.kernels.attention import DECODE_MAX_SPLITS, decode_num_splits
+from minisgl.kernels.decode_attention import decode_attention
+from minisgl.kernels.extend_attention import extend_attention
 from minisgl.llm import LLM
 
 pytestmark = pytest.mark.skipif(

@@ -119,7 +119,8 @@ def test_fp8_gemv_equals_the_dequantised_reference(m, n, k, block) -> None:
 def test_fp8_mma_gemv_equals_the_w8a8_reference(m: int) -> None:
     """The tensor-core GEMV of a few rows: x quantised per row (with the deferred norm in the
     same kernel), then the product of the two dequantised operands; gated and with a bias."""
-    from minisgl.kernels.fp8_gemv import fp8_mma_candidates, fp8_mma_gemv, quantize_groups
+    from minisgl.kernels.fp8_mma import fp8_mma_candidates, fp8_mma_gemv
+    from minisgl.kernels.fp8_quantize import quantize_groups
 
     n, k = 128, 256
     gen = torch.Generator().manual_seed(m)
@@ -167,7 +168,7 @@ def test_fp8_mma_gemv_equals_the_w8a8_reference(m: int) -> None:
 @pytest.mark.parametrize(("m", "k", "group"), [(3, 70, 16), (5, 1030, 128), (2, 600, 600)])
 def test_activation_quantiser_equals_the_reference(m: int, k: int, group: int) -> None:
     """Bit for bit: the kernel rounds to e4m3 itself, ties to even, as torch's cast does."""
-    from minisgl.kernels.fp8_gemv import quantize_groups
+    from minisgl.kernels.fp8_quantize import quantize_groups
 
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 40).to(DEV)
     q, scales = quantize_groups(x, group)
@@ -562,7 +563,8 @@ KV_TOL = 0.05  # tiny models: max |logit with FP8 K/V - logit| <= this x the lar
 def test_attention_kernels_read_an_fp8_cache_as_its_values() -> None:
     """Decode and extend over e4m3 keys and values equal the same kernels over those values
     widened to q's dtype: the cache's only error is the rounding when it is written."""
-    from minisgl.kernels.attention import decode_attention, extend_attention
+    from minisgl.kernels.decode_attention import decode_attention
+    from minisgl.kernels.extend_attention import extend_attention
 
     gen = torch.Generator().manual_seed(3)
     slots, kv_heads, q_heads, d = 96, 2, 4, 32

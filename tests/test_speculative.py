@@ -9,20 +9,15 @@ with many seeds, and shown to catch a broken resample step.
 
 from __future__ import annotations
 
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
 import torch
-from helpers import SMOL, TINY, need
+from helpers import CPU, SMOL, TINY, need, serving
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
@@ -270,29 +265,6 @@ def test_a_wrong_acceptance_rule_fails(monkeypatch) -> None:
 LOCAL = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # no proxy for localhost
 
 
-def serve_speculative(log: Path) -> tuple[subprocess.Popen, str]:
-    """`python -m minisgl` on SmolLM2 with n-gram drafts, healthy; (process, base URL)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "minisgl", "--model", str(need(SMOL)), "--device", "cpu"]
-    cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "256"]
-    cmd += ["--speculative", "ngram", "--num-draft-tokens", "4", "--speculative-always"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-    while proc.poll() is None and time.monotonic() < deadline:
-        try:
-            with LOCAL.open(base + "/health", timeout=2) as answer:
-                if answer.status == 200:
-                    return proc, base
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    pytest.fail(f"the server did not become healthy:\n{log.read_text()[-3000:]}")
-
-
 def scrape(base: str) -> dict[str, float]:
     with LOCAL.open(base + "/metrics", timeout=10) as answer:
         lines = answer.read().decode().splitlines()
@@ -301,8 +273,9 @@ def scrape(base: str) -> dict[str, float]:
 
 
 def test_metrics_count_drafts_and_accept_lengths_on_a_live_server(tmp_path) -> None:
-    proc, base = serve_speculative(tmp_path / "server.log")
-    try:
+    flags = ("--max-seq-len-override", "256", "--speculative", "ngram", "--num-draft-tokens", "4")
+    with serving(tmp_path, *CPU, *flags, "--speculative-always") as srv:
+        base = srv.base
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
         line = "the cat sat on the mat. "
         out = client.completions.create(
@@ -315,13 +288,6 @@ def test_metrics_count_drafts_and_accept_lengths_on_a_live_server(tmp_path) -> N
                 break
             time.sleep(0.25)
             m = scrape(base)
-    finally:
-        proc.terminate()  # the launcher stops its workers on SIGTERM
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
     drafted = m["minisgl:spec_draft_tokens_total"]
     accepted = m["minisgl:spec_accepted_tokens_total"]
     verifies = m["minisgl:spec_accept_length_tokens_count"]

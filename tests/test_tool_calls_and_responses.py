@@ -13,30 +13,17 @@ recorded outputs and on SmolLM2's own answer that opens a `<tool_call>` and writ
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-from helpers import SMOL, need
+from helpers import MODEL, SMOL, TOOLS_CPU, check_error, httpx, serving
 
 from minisgl.server.tool_parsers import ToolCall, find_calls
 from minisgl.server.tools import ToolOutput
 from minisgl.tokenizer.tokenizer import Tokenizer
-
-try:
-    import httpx
-except ModuleNotFoundError:  # the openai client may come with the httpx2 fork instead
-    import httpx2 as httpx
 
 WEATHER = {
     "type": "function",
@@ -70,58 +57,10 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-MODEL = SMOL.name
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
-    with serving(tmp_path_factory.mktemp("ch25") / "server.log") as base:
-        yield base
-
-
-@contextlib.contextmanager
-def serving(log: Path, *extra: str) -> Iterator[str]:
-    """A live `python -m minisgl` on CPU; its base URL. (test_server.py, chapter 16's, has
-    the full kit for servers; this chapter's tree holds only its own tests.)"""
-    need(SMOL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # The tools' instructions take some 200 tokens of the prompt.
-    cmd = [sys.executable, "-m", "minisgl", "--model", str(SMOL), "--device", "cpu"]
-    cmd += ["--dtype", "float32", "--port", str(port), "--max-seq-len-override", "1024", *extra]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while not healthy(base):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def healthy(base: str) -> bool:
-    try:
-        return httpx.get(base + "/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def check_error(r: httpx.Response, status: int) -> dict[str, Any]:
-    """An error in OpenAI's shape, with the status expected; its `error` object."""
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
-    return err
+    with serving(tmp_path_factory.mktemp("ch25"), *TOOLS_CPU) as srv:
+        yield srv.base
 
 
 @pytest.fixture(scope="module")

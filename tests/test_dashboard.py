@@ -17,20 +17,16 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import ROOT, SMOL, TINY, need, run_tool
+from helpers import ROOT, SMOL, TINY, Server, httpx, metrics, need, run_tool, serving
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -40,11 +36,6 @@ from minisgl.message.dashboard import WatchMsg
 from minisgl.scheduler.observe import Observer
 from minisgl.server.args import parse_args
 from minisgl.tokenizer.tokenizer import Tokenizer
-
-try:
-    import httpx
-except ModuleNotFoundError:  # the openai client may come with the httpx2 fork instead
-    import httpx2 as httpx
 
 PAGE_SIZE = 4
 SYSTEM = (
@@ -203,50 +194,11 @@ def browser() -> Iterator[Any]:
     page.quit()
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    base: str
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, browser) -> Iterator[Server]:
     """`python -m minisgl` on SmolLM2 with FLAGS; its log is in the test's temporary folder."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "minisgl", "--model", str(need(SMOL)), "--port", str(port)]
-    cmd += FLAGS
-    log = tmp_path_factory.mktemp("dashboard") / "server.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(proc, f"http://127.0.0.1:{port}")
-    try:
-        until(lambda: healthy(srv, log), 180, "the server to start")
+    with serving(tmp_path_factory.mktemp("dashboard"), *FLAGS) as srv:
         yield srv
-    finally:
-        proc.terminate()  # it drains and stops its workers
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def healthy(server: Server, log: Path) -> bool:
-    if server.proc.poll() is not None:
-        pytest.fail(f"the server exited with {server.proc.returncode}:\n{log.read_text()[-3000:]}")
-    try:
-        return httpx.get(server.base + "/health", timeout=2).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def metrics(server: Server) -> dict[str, float]:
-    text = httpx.get(server.base + "/metrics", timeout=10).text
-    rows = [line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#"]
-    return {name: float(value) for name, value in rows}
 
 
 @pytest.fixture(scope="module")

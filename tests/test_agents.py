@@ -16,8 +16,8 @@ from typing import Any
 
 import openai
 import pytest
+from helpers import MODEL, SMOL, TOOLS_CPU, check_error, serving
 from pydantic import BaseModel, Field
-from test_ch25_api import MODEL, SMOL, check_error, serving
 
 from minisgl.server.protocol import ChatCompletionRequest
 from minisgl.server.tools import ToolOutput
@@ -31,8 +31,8 @@ except ModuleNotFoundError:  # the openai client may come with the httpx2 fork i
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[str]:
-    with serving(tmp_path_factory.mktemp("agents") / "server.log") as base:
-        yield base
+    with serving(tmp_path_factory.mktemp("agents"), *TOOLS_CPU) as srv:
+        yield srv.base
 
 
 @pytest.fixture(scope="module")
