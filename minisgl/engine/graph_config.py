@@ -1,8 +1,5 @@
-"""The graph settings of the engine's config: decode CUDA graphs, and (chapter 23) prefill graphs.
-
-Kept apart from graph.py, which needs torch: the config is built in the API server's process
-too, which has none.
-"""
+"""The graph settings of the engine's config, kept apart from graph.py, which needs torch:
+the config is built in the API server's process too, which has none."""
 
 from __future__ import annotations
 
