@@ -337,7 +337,7 @@ PHASES = [
 def time_phases(llm: Any, args: argparse.Namespace) -> tuple[int, tuple[float, float], Clock, list]:
     """One run: steps, the window's (wall, CPU) seconds, the clock of each phase, and the
     pairs of CUDA events around each step's device work."""
-    from minisgl.engine import engine as engine_module
+    from minisgl.engine import sampler as sampler_module
 
     sched, engine = llm.scheduler, llm.engine
     clock = Clock()
@@ -375,7 +375,7 @@ def time_phases(llm: Any, args: argparse.Namespace) -> tuple[int, tuple[float, f
         (engine, "sample_logits"): clock.wrap("sample", marked(engine.sample_logits, False)),
         (runner, "replay"): clock.wrap("  of which graph replay", runner.replay),
         (engine.model, "forward"): clock.wrap(FORWARD, engine.model.forward),
-        (engine_module, "sample"): clock.wrap(KERNELS, engine_module.sample),
+        (sampler_module, "sample"): clock.wrap(KERNELS, sampler_module.sample),
         (backend, "prepare_for_replay"): marked(backend.prepare_for_replay, True),
     }
     with patched(patches):
