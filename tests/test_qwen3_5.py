@@ -21,13 +21,12 @@ import torch
 from helpers import TINY, Driver, all_logits, make_engine, need
 
 from minisgl.core import SamplingParams
-from minisgl.engine.config import EngineConfig
-from minisgl.engine.hybrid import state_pool_bytes
+from minisgl.engine.config import EngineConfig, check_model_files
 from minisgl.engine.startup import EngineShape, pages_from_budget
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.kvcache.naive_cache import NaiveCache
-from minisgl.kvcache.state_pool import RecurrentStatePool
+from minisgl.kvcache.state_pool import RecurrentStatePool, state_pool_bytes
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.models.families import attention_layers
@@ -182,12 +181,15 @@ def test_preempted_requests_start_again_from_a_zero_state(folders, alone, monkey
     assert out == alone
 
 
-def test_what_a_hybrid_cannot_do_yet_fails_by_name(folders) -> None:
+def test_what_a_hybrid_cannot_do_yet_fails_by_name(folders, monkeypatch) -> None:
     path = folders["mm"]
     with pytest.raises(ValueError, match="speculative decoding .* not supported for Qwen3_5"):
-        make_engine(path, speculative="ngram")
+        check_model_files(EngineConfig(str(path), speculative="ngram"))  # before any process
     with pytest.raises(ValueError, match="tp_size 2 is not supported for Qwen3_5"):
         make_engine(path, tp_size=2)
+    monkeypatch.setattr(ENV.CPU_KV_CACHE_MB, "value", 1)
+    with pytest.raises(MemoryError, match="recurrent states of 64 requests take 2 MB"):
+        make_engine(path, num_page_override=None, max_running_req=64)
     engine = make_engine(path, cuda_graph_max_bs=2)  # emulated graphs on a CPU: none here
     assert engine.graph_runner.graph_map == {}
     for arch in ("Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM"):

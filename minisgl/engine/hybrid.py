@@ -8,28 +8,34 @@ with KV pages) cannot do yet, refused or turned off by name at start-up.
   computed: without state snapshots the prefix cache is wrong. The scheduler runs a hybrid
   model with the naive cache (`prefix_cache`) and says so.
 - Graphs: the model's `graph_blocker` turns them off (engine/graph.py).
+
+No torch here: the command line checks the options in the API server's process.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import TYPE_CHECKING
-
-from minisgl.engine.config import EngineConfig
-from minisgl.kvcache.state_pool import RecurrentStatePool
-from minisgl.models.config import ModelConfig
-from minisgl.models.families import attention_layers
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from minisgl.engine.startup import EngineShape
+    from minisgl.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
 
-def check_hybrid(config: EngineConfig, model_config: ModelConfig) -> None:
-    if model_config.linear is None:
+def check_hybrid(config: Any) -> None:
+    """Raise ValueError for an option a hybrid model cannot honour yet (config: an
+    EngineConfig); run by `check_model_files`, before anything loads or a process starts."""
+    path = Path(config.model_path) / "config.json"
+    if not path.is_file():
         return
-    arch = model_config.architecture
+    raw = json.loads(path.read_text())
+    text = raw.get("text_config") or raw
+    if "linear_attention" not in (text.get("layer_types") or ()):
+        return
+    arch = (raw.get("architectures") or ["this model"])[0]
     if config.speculative != "off":
         raise ValueError(
             f"speculative decoding ({config.speculative!r}) is not supported for {arch} yet: "
@@ -52,41 +58,3 @@ def prefix_cache(model_config: ModelConfig, cache_type: str) -> str:
         )
         return "naive"
     return cache_type
-
-
-def state_pool_bytes(shape: EngineShape) -> int:
-    """What a hybrid model's recurrent state pool takes: a slot for every page-table row
-    (0 for a model without linear layers)."""
-    mc = shape.model_config
-    if mc.linear is None:
-        return 0
-    linear_layers = mc.num_layers - len(attention_layers(mc))
-    per_slot = RecurrentStatePool.bytes_per_slot(linear_layers, mc.linear, shape.dtype)
-    return per_slot * (shape.config.max_running_req + 1)
-
-
-def budget_after_states(shape: EngineShape, budget: int, per_page: int) -> int:
-    """The KV pages' budget once the recurrent states have theirs; an error if no page fits."""
-    states = state_pool_bytes(shape)
-    if states and budget - states < per_page:
-        raise MemoryError(
-            f"the recurrent states of {shape.config.max_running_req} requests take "
-            f"{states / 2**20:.0f} MB, leaving no room for a KV page in a budget of "
-            f"{budget / 2**20:.0f} MB: lower max_running_req or raise the budget"
-        )
-    return budget - states
-
-
-def make_state_pool(shape: EngineShape, rows: int) -> RecurrentStatePool | None:
-    """Slot i for page-table row i, the last for the dummy request; its size logged."""
-    mc = shape.model_config
-    if mc.linear is None:
-        return None
-    linear_layers = mc.num_layers - len(attention_layers(mc))
-    pool = RecurrentStatePool(linear_layers, rows, mc.linear, shape.dtype, shape.device)
-    logger.info(
-        "recurrent state pool: %d linear layers x %d slots (%d requests + the dummy), "
-        "%.1f MB a request, %.1f MB in all",
-        linear_layers, rows, rows - 1, pool.bytes / rows / 2**20, pool.bytes / 2**20,
-    )  # fmt: skip
-    return pool

@@ -20,12 +20,11 @@ import torch
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed import rank_heads  # [ch21]
 from minisgl.engine.config import EngineConfig, check_model_files
-from minisgl.engine.hybrid import budget_after_states, check_hybrid, make_state_pool  # [ch29]
 from minisgl.engine.limits import EngineLimits
 from minisgl.engine.ranks import join_ranks  # [ch21]
 from minisgl.env import ENV
+from minisgl.kvcache import state_pool as states  # a hybrid's recurrent states  # [ch29]
 from minisgl.kvcache.mha_pool import MHAKVCache
-from minisgl.kvcache.state_pool import RecurrentStatePool  # [ch29]
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 from minisgl.models.families import attention_layers, context_length  # [ch29]
@@ -68,7 +67,6 @@ def resolve_shape(config: EngineConfig) -> EngineShape:
     """The device, dtypes, context and heads of this engine (its rank joined, if one of many)."""
     check_model_files(config)
     model_config = ModelConfig.from_path(config.model_path)
-    check_hybrid(config, model_config)  # what a recurrent state cannot do yet  # [ch29]
     device = _resolve_device(config.device)
     device = join_ranks(config, model_config, device)  # [ch21]
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
@@ -113,7 +111,7 @@ def pages_from_budget(shape: EngineShape) -> int:
         budget = int(free * ENV.MEMORY_FRACTION.value)
     else:
         budget = ENV.CPU_KV_CACHE_MB.value * 2**20
-    budget = budget_after_states(shape, budget, per_page)  # a hybrid's come first  # [ch29]
+    budget = states.budget_after_states(shape, budget, per_page)  # a hybrid's come first  # [ch29]
     useful = config.max_running_req * cdiv(shape.max_seq_len, shape.page_size)
     pages = min(budget // per_page, useful)
     if pages < 1:
@@ -130,7 +128,7 @@ class Pools:
     page_table: torch.Tensor  # [rows, width] int32
     token_pool: torch.Tensor  # [rows, width] int32
     dummy_req: Req  # the padding request of a graph batch: the last row, the dummy page
-    state_pool: RecurrentStatePool | None = None  # a hybrid's: one slot per row  # [ch29]
+    state_pool: states.RecurrentStatePool | None = None  # a hybrid's: one slot per row  # [ch29]
 
 
 def make_pools(shape: EngineShape, num_pages: int) -> Pools:
@@ -150,7 +148,7 @@ def make_pools(shape: EngineShape, num_pages: int) -> Pools:
     page_table[rows - 1] = dummy_slots.to(device, torch.int32)
     dummy_req = Req(torch.zeros(1, dtype=torch.int32), rows - 1, 0, 1, -1, SamplingParams())
     pools = Pools(kv_cache, page_table, token_pool, dummy_req)
-    pools.state_pool = make_state_pool(shape, rows)  # a hybrid's recurrent states  # [ch29]
+    pools.state_pool = states.make_state_pool(shape, rows)  # a hybrid's recurrent states  # [ch29]
     return pools
 
 

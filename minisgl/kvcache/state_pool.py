@@ -17,11 +17,19 @@ forward left there.
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 import torch
 
 from minisgl.core import Batch
-from minisgl.models.families import LinearAttention
+from minisgl.models.families import LinearAttention, attention_layers
 from minisgl.utils import to_device
+
+if TYPE_CHECKING:
+    from minisgl.engine.startup import EngineShape
+
+logger = logging.getLogger(__name__)
 
 
 class RecurrentStatePool:
@@ -66,3 +74,44 @@ class RecurrentStatePool:
             index = to_device(fresh, self.device, torch.int64)
             self.conv.index_fill_(1, index, 0)
             self.ssm.index_fill_(1, index, 0)
+
+
+# ---- its size at start-up: before the KV pages, from the same budget
+
+
+def state_pool_bytes(shape: EngineShape) -> int:
+    """What a hybrid model's recurrent state pool takes: a slot for every page-table row
+    (0 for a model without linear layers)."""
+    mc = shape.model_config
+    if mc.linear is None:
+        return 0
+    linear_layers = mc.num_layers - len(attention_layers(mc))
+    per_slot = RecurrentStatePool.bytes_per_slot(linear_layers, mc.linear, shape.dtype)
+    return per_slot * (shape.config.max_running_req + 1)
+
+
+def budget_after_states(shape: EngineShape, budget: int, per_page: int) -> int:
+    """The KV pages' budget once the recurrent states have theirs; an error if no page fits."""
+    states = state_pool_bytes(shape)
+    if states and budget - states < per_page:
+        raise MemoryError(
+            f"the recurrent states of {shape.config.max_running_req} requests take "
+            f"{states / 2**20:.0f} MB, leaving no room for a KV page in a budget of "
+            f"{budget / 2**20:.0f} MB: lower max_running_req or raise the budget"
+        )
+    return budget - states
+
+
+def make_state_pool(shape: EngineShape, rows: int) -> RecurrentStatePool | None:
+    """Slot i for page-table row i, the last for the dummy request; its size logged."""
+    mc = shape.model_config
+    if mc.linear is None:
+        return None
+    linear_layers = mc.num_layers - len(attention_layers(mc))
+    pool = RecurrentStatePool(linear_layers, rows, mc.linear, shape.dtype, shape.device)
+    logger.info(
+        "recurrent state pool: %d linear layers x %d slots (%d requests + the dummy), "
+        "%.1f MB a request, %.1f MB in all",
+        linear_layers, rows, rows - 1, pool.bytes / rows / 2**20, pool.bytes / 2**20,
+    )  # fmt: skip
+    return pool
