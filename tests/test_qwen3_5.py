@@ -124,7 +124,6 @@ def test_logits_equal_transformers(folders, layout: str, caplog) -> None:
     got = teacher_forced(engine, ids)
     want = hf_reference(folders[layout], ids)
     assert got.shape == want.shape
-    print("max |diff|", (got - want).abs().max().item(), "max |logit|", want.abs().max().item())
     assert (got - want).abs().max().item() <= TOL
 
 
