@@ -39,7 +39,7 @@ from minisgl.engine.startup import (
 )
 from minisgl.engine.verify_graph import plan_verify_graphs  # [ch26]
 from minisgl.kvcache.mha_pool import MHAKVCache
-from minisgl.models.families import sliding  # [ch29]
+from minisgl.models.families import attention_layers, sliding  # [ch29]
 from minisgl.quant.kv_scales import use_kv_scales  # [ch28]
 from minisgl.utils import to_device
 
@@ -69,11 +69,13 @@ class Engine:
         pools = make_pools(shape, self.num_pages)
         self.kv_cache, self.page_table = pools.kv_cache, pools.page_table
         self.token_pool, self.dummy_req = pools.token_pool, pools.dummy_req
+        self.state_pool = pools.state_pool  # a hybrid model's recurrent states  # [ch29]
         use_kv_scales(self.model, self.kv_cache)  # the checkpoint's, for an FP8 cache  # [ch28]
         clock.lap("KV pool")
         # ---- attention backend
         self.attn_backend = backend = _create_backend(shape, self.kv_cache, self.page_table)
         self.ctx = Context(self.attn_backend)
+        self.ctx.state_pool = self.state_pool  # [ch29]
         set_global_ctx(self.ctx)
         clock.lap("attention backend")
         # >>> ch18 graphs: every shape to capture, then one loop that captures them
@@ -129,6 +131,10 @@ class Engine:
         batch.input_ids = self.token_pool.take(places_d)
         batch.out_loc = self.page_table.take(places_d)
         self.attn_backend.prepare_metadata(batch)
+        # >>> ch29 a hybrid model: each request's state slot, zeroed for its first forward
+        if self.state_pool is not None:
+            self.state_pool.prepare(batch)
+        # <<< ch29
 
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         """One forward and one sampled token per request; each token also goes into the pool.
@@ -168,6 +174,8 @@ class Engine:
         batch.positions = torch.zeros(1, dtype=torch.int32, device=self.device)
         batch.out_loc = self.page_table[row, :1]
         self.attn_backend.prepare_metadata(batch)
+        if self.state_pool is not None:  # [ch29]
+            self.state_pool.prepare(batch)  # the dummy request's own slot  # [ch29]
         with self.ctx.forward_batch(batch):
             self.model.forward()
 
@@ -201,7 +209,7 @@ def _create_backend(
     scale = (mc.query_pre_attn_scalar or mc.head_dim) ** -0.5  # Gemma's own  # [ch29]
     backend = cls(kv_cache, page_table, scale, shape.num_qo_heads)
     # >>> ch29 sliding layers: a window no shorter than the context is no window
-    windows = [mc.sliding_window if sliding(mc, i) else None for i in range(mc.num_layers)]
+    windows = [mc.sliding_window if sliding(mc, i) else None for i in attention_layers(mc)]
     backend.set_windows([w if w and w < shape.max_seq_len else None for w in windows])
     # <<< ch29
     return backend

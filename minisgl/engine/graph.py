@@ -203,6 +203,7 @@ class GraphPlan:
         config, device = shape.config, shape.device
         plan = cls([], shape.max_seq_len, device.type != "cuda" or config.debug_cuda_graph)
         plan.blocker = blocker = model.cuda_graph_blocker if not plan.emulated else None
+        plan.blocker = blocker = model.graph_blocker or blocker  # [ch29]
         if not plan.emulated and "decode" not in backend.cuda_graphs:
             blocker = f"the {backend.name} attention backend cannot be captured"
         sizes = config.cuda_graph_bs

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.layers.rope_scaling import ROPE_ALIASES, ROPE_TYPES, RopeScaling  # [ch29]
-from minisgl.models.families import family_fields, text_model_config  # [ch29]
+from minisgl.models.families import LinearAttention, family_fields, text_model_config  # [ch29]
 from minisgl.quant.config import Fp8Checkpoint, parse_quantization_config  # [ch28]
 
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
@@ -56,7 +56,8 @@ class ModelConfig:
     # >>> ch29 more model families
     rope: RopeScaling | None = None  # the full-attention layers' RoPE (its variant, its channels)
     local_rope: RopeScaling | None = None  # the sliding layers' own, where it differs (Gemma 3)
-    layer_types: tuple[str, ...] = ()  # "sliding_attention" or "full_attention", per layer
+    layer_types: tuple[str, ...] = ()  # "sliding_attention", "full_attention" or "linear_attention"
+    linear: LinearAttention | None = None  # a hybrid's Gated DeltaNet layers (Qwen3.5)
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power
     final_logit_softcapping: float | None = None  # Gemma: logits = cap * tanh(logits / cap)

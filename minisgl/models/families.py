@@ -8,14 +8,18 @@
   Gemma 3 gives its sliding layers a RoPE of their own (`rope_local_base_freq`, or
   `rope_parameters` keyed by layer type).
 - A Gemma 3 checkpoint states only what differs from Gemma 3's defaults, and a multimodal
-  one (`Gemma3ForConditionalGeneration`) keeps its text model's config in `text_config` and
-  its weights under a prefix, next to a vision tower that a text server skips.
+  one (`Gemma3ForConditionalGeneration`, as Qwen3.5's) keeps its text model's config in
+  `text_config` and its weights under a prefix, next to a vision tower that a text server skips.
+- A layer may keep no keys at all: Qwen3.5's `linear_attention` layers (Gated DeltaNet) keep a
+  fixed-size recurrent state per request instead (`LinearAttention` has its shapes), and
+  only the `full_attention` layers have KV pages (`attention_layers`).
 
 Options we cannot honour fail here, at start-up, by name.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from minisgl.layers.rope_scaling import RopeScaling, parse_rope
@@ -23,8 +27,9 @@ from minisgl.layers.rope_scaling import RopeScaling, parse_rope
 if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+_QWEN3_5_MM = "Qwen3_5ForConditionalGeneration"  # its text model's config in `text_config`
 # Gemma3TextConfig's defaults: what a Gemma 3 config.json leaves out.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -48,13 +53,42 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
 # Where a multimodal checkpoint keeps its text model's tensors, and what else it holds.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.")  # fmt: skip
+             "model.multi_modal_projector.", "model.visual.", "mtp.")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The shapes of a model's Gated DeltaNet layers (Qwen3.5's `linear_attention`)."""
+
+    num_key_heads: int
+    num_value_heads: int  # a multiple of num_key_heads: each q/k head serves several
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int  # the causal depthwise conv's width over q, k and v
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the conv runs over: q, k and v side by side."""
+        return (
+            2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        )
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> LinearAttention:
+        return cls(raw["linear_num_key_heads"], raw["linear_num_value_heads"],
+                   raw["linear_key_head_dim"], raw["linear_value_head_dim"],
+                   raw.get("linear_conv_kernel_dim", 4))  # fmt: skip
 
 
 def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The config of the text model to build: Gemma 3's defaults under what the checkpoint
     states, its `text_config` lifted out of a multimodal one."""
     archs = raw.get("architectures") or []
+    if archs and archs[0] == _QWEN3_5_MM:
+        text = {k: v for k, v in (raw.get("text_config") or {}).items() if v is not None}
+        tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        dtype = text.get("dtype") or raw.get("dtype") or raw.get("torch_dtype")
+        return {**text, "architectures": archs, "tie_word_embeddings": tied, "torch_dtype": dtype}
     if not archs or archs[0] not in _GEMMA3:
         return raw
     multimodal = archs[0] == "Gemma3ForConditionalGeneration"
@@ -84,7 +118,8 @@ def family_fields(raw: dict[str, Any], head_dim: int, sliding_window: int | None
     return {
         "rope": rope,
         "local_rope": local,
-        "layer_types": _layer_types(raw, sliding_window),
+        "layer_types": (types := _layer_types(raw, sliding_window)),
+        "linear": LinearAttention.of(raw) if LINEAR in types else None,
         "hidden_act": raw.get("hidden_act", "silu"),
         "query_pre_attn_scalar": raw.get("query_pre_attn_scalar") if gemma else None,
         "final_logit_softcapping": raw.get("final_logit_softcapping") if gemma else None,
@@ -93,6 +128,10 @@ def family_fields(raw: dict[str, Any], head_dim: int, sliding_window: int | None
 
 def _layer_types(raw: dict[str, Any], sliding_window: int | None) -> tuple[str, ...]:
     n = raw["num_hidden_layers"]
+    if (types := raw.get("layer_types")) and LINEAR in types:  # a hybrid: Qwen3.5
+        if len(types) != n or set(types) - {LINEAR, FULL}:
+            raise ValueError(f"layer_types {types} are not {n} of {LINEAR!r} / {FULL!r}")
+        return tuple(types)
     if sliding_window is None:
         return (FULL,) * n
     if types := raw.get("layer_types"):
@@ -117,6 +156,13 @@ def context_length(config: ModelConfig) -> int:
 
 def sliding(config: ModelConfig, layer_id: int) -> bool:
     return config.sliding_window is not None and config.layer_types[layer_id] == SLIDING
+
+
+def attention_layers(config: ModelConfig) -> list[int]:
+    """The layers that keep keys and values (every layer but a hybrid's linear ones): the KV
+    pool holds these alone, and layer i of them is the pool's layer i."""
+    types = config.layer_types or (FULL,) * config.num_layers
+    return [i for i, kind in enumerate(types) if kind != LINEAR]
 
 
 def layer_rope(config: ModelConfig, layer_id: int) -> RopeScaling | None:

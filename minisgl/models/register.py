@@ -17,6 +17,8 @@ _MODELS = {
     "Gemma3ForCausalLM": "minisgl.models.gemma3",
     "Gemma3ForConditionalGeneration": "minisgl.models.gemma3",
     "Phi3ForCausalLM": "minisgl.models.phi3",
+    "Qwen3_5ForCausalLM": "minisgl.models.qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "minisgl.models.qwen3_5",
     # <<< ch29
 }
 

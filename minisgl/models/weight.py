@@ -8,6 +8,7 @@ names the tensors: a silently half-loaded model produces fluent nonsense.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -21,6 +22,8 @@ from minisgl.layers.parallel import read_rank_slice  # [ch21]
 from minisgl.models.families import text_model_name  # [ch29]
 from minisgl.quant.kv_scales import KVScales  # [ch28]
 from minisgl.quant.load import Fp8Loader  # [ch28]
+
+logger = logging.getLogger(__name__)
 
 # Pieces that are concatenated (along dim 0) into one of our tensors, in this order.
 _MERGES = {
@@ -62,6 +65,7 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
     tied_head = "lm_head.weight" not in params
     found: dict[str, dict[tuple[int | None, int | None], torch.Tensor]] = defaultdict(dict)
     unexpected = []
+    skipped = []  # not the text model's: a vision tower, an MTP head  # [ch29]
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -70,6 +74,7 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                 ours = name  # what our model calls it
                 # >>> ch29 a multimodal checkpoint: its text model under a prefix, a vision tower
                 if (ours := text_model_name(name)) is None:
+                    skipped.append(name)
                     continue
                 # <<< ch29
                 if kv_scales.take(f, ours):  # [ch28]
@@ -79,6 +84,9 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                     found[target][expert, part] = _read(f, name, params[target], expert, part)
                 elif not (tied_head and ours == "lm_head.weight"):
                     unexpected.append(name)  # a tied checkpoint may still carry a copy: fine
+    if skipped:  # [ch29]
+        parts = sorted({".".join(n.split(".")[:2]) for n in skipped})  # [ch29]
+        logger.info("not loaded: %d tensors under %s", len(skipped), ", ".join(parts))  # [ch29]
     missing = sorted(set(params) - set(found))
     if missing or unexpected:
         raise ValueError(

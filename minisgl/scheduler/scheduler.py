@@ -25,6 +25,7 @@ import torch
 
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine
+from minisgl.engine.hybrid import prefix_cache  # [ch29]
 from minisgl.engine.sampler import ForwardOutput, StepLogits
 from minisgl.env import ENV  # [ch12]
 from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
@@ -64,9 +65,9 @@ class Scheduler:
         self.limits = limits = engine.limits  # what the engine holds, in numbers
         self.eos_token_ids = frozenset(eos_token_ids)
         self.table = TableManager(limits.max_running_req, engine.token_pool)
-        self.cache = CacheManager(
-            limits.num_pages, limits.page_size, engine.page_table, config.cache_type
-        )
+        cache_type = config.cache_type
+        cache_type = prefix_cache(engine.model_config, cache_type)  # naive for a hybrid  # [ch29]
+        self.cache = CacheManager(limits.num_pages, limits.page_size, engine.page_table, cache_type)
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length)
         self.decode = DecodeManager()
         self.reqs: dict[int, Req] = {}  # admitted and not finished, by uid

@@ -1,0 +1,60 @@
+"""What a hybrid model (linear-attention layers with a recurrent state beside attention layers
+with KV pages) cannot do yet, refused or turned off by name at start-up.
+
+- Speculative decoding would need a verify step that keeps the state after each draft
+  position and rolls it back to the accepted length: refused.
+- Tensor parallelism would split the linear layers' heads and conv channels: refused.
+- A radix-cache hit skips the prefix's forward, so its recurrent state would never be
+  computed: without state snapshots the prefix cache is wrong. The scheduler runs a hybrid
+  model with the naive cache (`prefix_cache`) and says so.
+- Graphs: the model's `graph_blocker` turns them off (engine/graph.py).
+
+No torch here: the command line checks the options in the API server's process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minisgl.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def check_hybrid(config: Any) -> None:
+    """Raise ValueError for an option a hybrid model cannot honour yet (config: an
+    EngineConfig); run by `check_model_files`, before anything loads or a process starts."""
+    path = Path(config.model_path) / "config.json"
+    if not path.is_file():
+        return
+    raw = json.loads(path.read_text())
+    text = raw.get("text_config") or raw
+    if "linear_attention" not in (text.get("layer_types") or ()):
+        return
+    arch = (raw.get("architectures") or ["this model"])[0]
+    if config.speculative != "off":
+        raise ValueError(
+            f"speculative decoding ({config.speculative!r}) is not supported for {arch} yet: "
+            "its linear-attention layers' state cannot be rolled back to the accepted drafts"
+        )
+    if config.tp_size > 1:
+        raise ValueError(
+            f"tp_size {config.tp_size} is not supported for {arch} yet: its linear-attention "
+            "layers are not split across ranks"
+        )
+
+
+def prefix_cache(model_config: ModelConfig, cache_type: str) -> str:
+    """The prefix cache a model can run with: a hybrid model, none (the naive cache)."""
+    if model_config.linear is not None and cache_type != "naive":
+        logger.info(
+            "prefix cache off (naive cache) for %s: a cached prefix's linear-attention state "
+            "is not kept, so a cache hit would skip computing it",
+            model_config.architecture,
+        )
+        return "naive"
+    return cache_type

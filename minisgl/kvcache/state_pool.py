@@ -1,0 +1,117 @@
+"""The recurrent state pool: what a hybrid model's linear-attention layers keep per request.
+
+A Gated DeltaNet layer (Qwen3.5) keeps no keys and values. It carries, per request, a fixed
+amount of state from one token to the next, however long the sequence:
+- a conv state: the last `conv_kernel - 1` inputs of its causal depthwise conv, over the q, k
+  and v channels, in the model's dtype;
+- an SSM state: one [key_head_dim, value_head_dim] matrix per value head, in float32 (the
+  recurrence adds to it every token; in bf16 it would drift).
+
+Storage is one tensor of each per pool, shaped [linear layers, slots, ...]. A slot belongs
+to a page-table row: request row i keeps its state in slot i, and the last slot is the dummy
+request's, where padding writes. Nothing is allocated or freed per request: a request owns
+its row, so it owns the slot. A request's slot is zeroed when its first forward starts
+(`cached_len == 0`); a later chunk of its prompt, or a decode step, reads what the previous
+forward left there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.core import Batch
+from minisgl.models.families import LinearAttention, attention_layers
+from minisgl.utils import to_device
+
+if TYPE_CHECKING:
+    from minisgl.engine.startup import EngineShape
+
+logger = logging.getLogger(__name__)
+
+
+class RecurrentStatePool:
+    def __init__(
+        self,
+        num_layers: int,  # the linear-attention layers
+        num_slots: int,  # page-table rows: running requests plus the dummy request
+        shape: LinearAttention,
+        conv_dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        s = shape
+        self.num_slots, self.device = num_slots, device
+        self.conv = torch.zeros(
+            (num_layers, num_slots, s.conv_dim, s.conv_kernel - 1), dtype=conv_dtype, device=device
+        )
+        self.ssm = torch.zeros(
+            (num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim),
+            dtype=torch.float32,
+            device=device,
+        )
+
+    @property
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, shape: LinearAttention, conv_dtype: torch.dtype) -> int:
+        s = shape
+        conv = s.conv_dim * (s.conv_kernel - 1) * conv_dtype.itemsize
+        ssm = s.num_value_heads * s.key_head_dim * s.value_head_dim * 4
+        return num_layers * (conv + ssm)
+
+    def prepare(self, batch: Batch) -> None:
+        """`batch.state_slots`: each (padded) request's slot on the device; the slots of
+        requests whose first forward this is are zeroed."""
+        reqs = batch.padded_reqs
+        slots = [r.table_idx for r in reqs]
+        batch.state_slots = to_device(slots, self.device, torch.int64)
+        fresh = [r.table_idx for r in reqs if r.cached_len == 0]
+        if fresh:
+            index = to_device(fresh, self.device, torch.int64)
+            self.conv.index_fill_(1, index, 0)
+            self.ssm.index_fill_(1, index, 0)
+
+
+# ---- its size at start-up: before the KV pages, from the same budget
+
+
+def state_pool_bytes(shape: EngineShape) -> int:
+    """What a hybrid model's recurrent state pool takes: a slot for every page-table row
+    (0 for a model without linear layers)."""
+    mc = shape.model_config
+    if mc.linear is None:
+        return 0
+    linear_layers = mc.num_layers - len(attention_layers(mc))
+    per_slot = RecurrentStatePool.bytes_per_slot(linear_layers, mc.linear, shape.dtype)
+    return per_slot * (shape.config.max_running_req + 1)
+
+
+def budget_after_states(shape: EngineShape, budget: int, per_page: int) -> int:
+    """The KV pages' budget once the recurrent states have theirs; an error if no page fits."""
+    states = state_pool_bytes(shape)
+    if states and budget - states < per_page:
+        raise MemoryError(
+            f"the recurrent states of {shape.config.max_running_req} requests take "
+            f"{states / 2**20:.0f} MB, leaving no room for a KV page in a budget of "
+            f"{budget / 2**20:.0f} MB: lower max_running_req or raise the budget"
+        )
+    return budget - states
+
+
+def make_state_pool(shape: EngineShape, rows: int) -> RecurrentStatePool | None:
+    """Slot i for page-table row i, the last for the dummy request; its size logged."""
+    mc = shape.model_config
+    if mc.linear is None:
+        return None
+    linear_layers = mc.num_layers - len(attention_layers(mc))
+    pool = RecurrentStatePool(linear_layers, rows, mc.linear, shape.dtype, shape.device)
+    logger.info(
+        "recurrent state pool: %d linear layers x %d slots (%d requests + the dummy), "
+        "%.1f MB a request, %.1f MB in all",
+        linear_layers, rows, rows - 1, pool.bytes / rows / 2**20, pool.bytes / 2**20,
+    )  # fmt: skip
+    return pool

@@ -1,0 +1,126 @@
+"""Qwen3.5 (dense, text): a hybrid of Gated DeltaNet layers and gated full attention.
+
+Three of every four layers are linear attention (layers/gated_deltanet.py): a fixed-size
+recurrent state per request in the state pool, no KV pages. The fourth attends, with three
+changes from Qwen3's attention:
+- q_proj is twice as wide: per head, the query and then an output gate; the attention's
+  output is multiplied by sigmoid(gate) before o_proj;
+- RoPE turns only the first quarter of each head's channels (partial_rotary_factor 0.25);
+  the three mrope sections of the vision model all see the same position for text, so this
+  is plain partial RoPE;
+- the q/k norms, like every norm of the decoder (not the gated one), scale by (1 + w).
+The MLP is Llama's. Only the attention layers are in the KV pool: the k-th of them is the
+pool's layer k (`families.attention_layers`).
+
+What this model cannot run yet is refused by name: its state slots are not in a graph's
+static buffers (no graphs, even emulated ones), prefix caching needs state snapshots (the
+engine runs it with the naive cache), speculative decoding and tensor parallelism are
+refused at start-up (engine/startup.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minisgl.core import get_global_ctx
+from minisgl.layers.attention import AttentionLayer
+from minisgl.layers.embedding import LMHead, VocabEmbedding
+from minisgl.layers.gated_deltanet import GatedDeltaNet
+from minisgl.layers.linear import Linear
+from minisgl.layers.rotary import get_rope
+from minisgl.models.base import BaseLLMModel
+from minisgl.models.config import ModelConfig
+from minisgl.models.families import LINEAR, layer_rope
+from minisgl.models.gemma3 import GemmaRMSNorm
+from minisgl.models.llama import LlamaMLP
+
+NO_GRAPHS = "the linear-attention layers' state slots are not in the graph's static buffers yet"
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, kv_layer: int) -> None:
+        super().__init__()
+        c = config
+        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.qkv_proj = Linear(c.hidden_size, 2 * self.q_size + 2 * self.kv_size, c.attention_bias)
+        device = torch.empty(0).device  # where the model is being built
+        rope = get_rope(
+            c.head_dim, c.rope_theta, c.max_position_embeddings, device, layer_rope(c, layer_id)
+        )
+        self.attn = AttentionLayer(kv_layer, c.num_heads, c.num_kv_heads, c.head_dim, rope)
+        self.attn.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.attn.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.o_proj = Linear(self.q_size, c.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q_gate, kv = self.qkv_proj(x).split([2 * self.q_size, 2 * self.kv_size], dim=-1)
+        q, gate = q_gate.view(x.size(0), -1, 2 * self.attn.head_dim).chunk(2, dim=-1)
+        out = self.attn(torch.cat([q.reshape(-1, self.q_size), kv], dim=-1))
+        return self.o_proj(out * torch.sigmoid(gate.reshape(-1, self.q_size)))
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, index: int) -> None:
+        """`index`: the layer's place among its kind (linear layers or attention layers)."""
+        super().__init__()
+        c = config
+        if c.layer_types[layer_id] == LINEAR:
+            assert c.linear is not None, "linear_attention layers need the linear_* fields"
+            self.linear_attn = GatedDeltaNet(c.hidden_size, c.linear, c.rms_norm_eps, index)
+        else:
+            self.self_attn = GatedAttention(c, layer_id, index)
+        self.is_linear = c.layer_types[layer_id] == LINEAR
+        self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added), as Llama's."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.forward_add(x, residual)
+        h = self.linear_attn(h) if self.is_linear else self.self_attn(h)
+        h, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp(h), residual
+
+
+class Qwen3_5Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size)
+        kinds = [t == LINEAR for t in c.layer_types]
+        index = [kinds[:i].count(kinds[i]) for i in range(c.num_layers)]
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(c, i, index[i]) for i in range(c.num_layers)
+        )
+        self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(x, residual)
+        return self.norm.forward_add(x, residual)[0]
+
+
+class Qwen3_5ForCausalLM(BaseLLMModel):
+    cuda_graph_blocker = NO_GRAPHS
+    graph_blocker = NO_GRAPHS
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.model = Qwen3_5Model(config)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self) -> torch.Tensor:
+        return self.lm_head(self.model(get_global_ctx().batch.input_ids))
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The text model of a Qwen3.5 checkpoint; its vision tower and MTP head are not loaded."""

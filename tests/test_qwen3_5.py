@@ -1,0 +1,258 @@
+"""Qwen3.5 (dense): Gated DeltaNet layers with a recurrent state pool, gated full attention.
+
+A tiny random Qwen3.5 (3 linear layers + 1 attention layer, seed 0, fp32) is saved in the
+published multimodal layout (a vision tower beside the text model) and as the text-only
+CausalLM, and compared with transformers under teacher forcing: a prefill in two chunks
+(the second over the state the first left), then decode steps. Batched and chunked runs
+must give each request the tokens it gets alone; the published configs of Qwen3.5-0.8B and
+9B must parse and size the engine; what a hybrid cannot do yet fails by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import TINY, Driver, all_logits, make_engine, need
+
+from minisgl.core import SamplingParams
+from minisgl.engine.config import EngineConfig, check_model_files
+from minisgl.engine.startup import EngineShape, pages_from_budget
+from minisgl.env import ENV
+from minisgl.kvcache.mha_pool import MHAKVCache
+from minisgl.kvcache.naive_cache import NaiveCache
+from minisgl.kvcache.state_pool import RecurrentStatePool, state_pool_bytes
+from minisgl.llm import LLM
+from minisgl.models.config import ModelConfig
+from minisgl.models.families import attention_layers
+
+TOL = 1e-4
+VOCAB = 256
+TEXT: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=32, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=32,
+    linear_conv_kernel_dim=4, max_position_embeddings=128, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                     "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                     "mrope_interleaved": True},
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)  # fmt: skip
+VISION: dict[str, Any] = dict(
+    depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
+    patch_size=4, num_position_embeddings=16,
+)  # fmt: skip
+
+
+def _perturb(model: torch.nn.Module) -> None:
+    """Every weight random: HF starts its (1 + w) norms at w = 0, its gated norm at 1."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from transformers import (
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+    )
+
+    root = tmp_path_factory.mktemp("qwen3_5")
+    torch.manual_seed(0)
+    mm = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TEXT, vision_config=VISION))
+    _perturb(mm.float())
+    mm.save_pretrained(root / "mm")
+    torch.manual_seed(0)
+    text = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=True))
+    _perturb(text.float())
+    text.save_pretrained(root / "text")
+    tok = need(TINY["llama"])  # a tokenizer for the offline API (the prompts are token ids)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tok / f).is_file():
+            shutil.copy(tok / f, root / "mm" / f)
+    return {"mm": root / "mm", "text": root / "text"}
+
+
+def hf_reference(path: Path, ids: list[int]) -> torch.Tensor:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    cls = Qwen3_5ForConditionalGeneration if arch.endswith("Generation") else Qwen3_5ForCausalLM
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def token_ids(seed: int, n: int) -> list[int]:
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def teacher_forced(engine, ids: list[int], chunk: int = 11, decode: int = 4) -> torch.Tensor:
+    """Logits at every position: prefill [0, chunk), the rest of the prompt over the state
+    that chunk left, then one decode step per remaining token."""
+    req = Driver(engine).add(ids[:-decode], SamplingParams(max_tokens=decode + 1), row=2)
+    out = []
+    for end in (chunk, len(ids) - decode):
+        req.device_len = end
+        out.append(all_logits(engine, [req], "prefill"))
+    for pos in range(len(ids) - decode, len(ids)):
+        engine.token_pool[req.table_idx, pos] = ids[pos]  # the reference's next token
+        req.append_host(ids[pos])
+        out.append(all_logits(engine, [req], "decode"))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("layout", ["mm", "text"])
+def test_logits_equal_transformers(folders, layout: str, caplog) -> None:
+    ids = token_ids(0, 24)
+    with caplog.at_level(logging.INFO):
+        engine = make_engine(folders[layout], page_size=4, max_running_req=4)
+    if layout == "mm":
+        assert "not loaded" in caplog.text and "model.visual" in caplog.text
+    assert engine.kv_cache.k_cache(0).shape[1:] == (1, 32)
+    assert engine.kv_cache._k.shape[0] == 1  # one attention layer of four keeps KV
+    assert engine.state_pool.ssm.shape == (3, 5, 4, 16, 32)  # 3 linear layers, 4 rows + dummy
+    assert "recurrent state pool" in caplog.text
+    got = teacher_forced(engine, ids)
+    want = hf_reference(folders[layout], ids)
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= TOL
+
+
+def test_a_reused_row_starts_from_a_zero_state(folders) -> None:
+    """A row's next request must not inherit the state its last one left."""
+    ids = token_ids(1, 16)
+    engine = make_engine(folders["mm"], max_running_req=4)
+    teacher_forced(engine, token_ids(2, 20))  # leaves row 2's state behind
+    got = teacher_forced(engine, ids, chunk=5)
+    assert (got - hf_reference(folders["mm"], ids)).abs().max().item() <= TOL
+
+
+@pytest.fixture(scope="module")
+def alone(folders) -> list[list[int]]:
+    """Each prompt's greedy tokens, run alone."""
+    out = []
+    for p in PROMPTS:
+        llm = LLM(str(folders["mm"]), **SERVE)
+        out.append(llm.generate([p], PARAMS, use_tqdm=False)[0]["token_ids"])
+        llm.shutdown()
+    return out
+
+
+PROMPTS = [token_ids(10 + i, n) for i, n in enumerate((5, 13, 22))]
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+SERVE: dict[str, Any] = dict(device="cpu", dtype="float32", max_running_req=4, page_size=4,
+                             num_page_override=64)  # fmt: skip
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batched_and_chunked_as_each_alone(folders, alone, monkeypatch, overlap: bool) -> None:
+    """Through the scheduler, with overlap scheduling off and on: prompts of different
+    lengths, batched, chunked inside a prompt (max_prefill_length 7), give the greedy tokens
+    each gets alone; the radix cache asked for is turned off."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", not overlap)
+    llm = LLM(str(folders["mm"]), max_prefill_length=7, cache_type="radix", **SERVE)
+    assert llm.scheduler.overlap == overlap
+    assert isinstance(llm.scheduler.cache.cache, NaiveCache)
+    together = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    again = [o["token_ids"] for o in llm.generate(PROMPTS[::-1], PARAMS, use_tqdm=False)]
+    llm.shutdown()
+    assert together == alone
+    assert again == alone[::-1]
+
+
+def test_preempted_requests_start_again_from_a_zero_state(folders, alone, monkeypatch) -> None:
+    """Too few pages for all three at once: the newest is preempted and later recomputed."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    llm = LLM(str(folders["mm"]), **{**SERVE, "num_page_override": 12})
+    out = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    preemptions = llm.scheduler.num_preemptions
+    llm.shutdown()
+    assert preemptions > 0
+    assert out == alone
+
+
+def test_what_a_hybrid_cannot_do_yet_fails_by_name(folders, monkeypatch) -> None:
+    path = folders["mm"]
+    with pytest.raises(ValueError, match="speculative decoding .* not supported for Qwen3_5"):
+        check_model_files(EngineConfig(str(path), speculative="ngram"))  # before any process
+    with pytest.raises(ValueError, match="tp_size 2 is not supported for Qwen3_5"):
+        make_engine(path, tp_size=2)
+    monkeypatch.setattr(ENV.CPU_KV_CACHE_MB, "value", 1)
+    with pytest.raises(MemoryError, match="recurrent states of 64 requests take 2 MB"):
+        make_engine(path, num_page_override=None, max_running_req=64)
+    engine = make_engine(path, cuda_graph_max_bs=2)  # emulated graphs on a CPU: none here
+    assert engine.graph_runner.graph_map == {}
+    for arch in ("Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM"):
+        raw = {**TEXT, "architectures": [arch], "layer_types": ["linear_attention"] * 4}
+        from minisgl.models.register import create_model
+
+        with pytest.raises(ValueError, match=f"{arch}.* is not supported"):
+            create_model(ModelConfig.from_dict(raw))
+
+
+# ---- the published configs: Qwen3.5-0.8B and 9B (values from their config.json) ----------
+
+
+def published(hidden: int, inter: int, layers: int, heads: int, kv: int, value_heads: int,
+              tied: bool) -> dict[str, Any]:  # fmt: skip
+    text = dict(
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=hidden,
+        intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=256, attn_output_gate=True, attention_bias=False,
+        full_attention_interval=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"] * (layers // 4),
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=value_heads, linear_conv_kernel_dim=4, mamba_ssm_dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True},
+        max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
+        mtp_num_hidden_layers=1, tie_word_embeddings=tied, dtype="bfloat16",
+    )  # fmt: skip
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": text, "vision_config": {"depth": 12},
+            "tie_word_embeddings": tied}  # fmt: skip
+
+
+PUBLISHED = {
+    "0.8B": published(1024, 3584, 24, 8, 2, 16, True),
+    "9B": published(4096, 12288, 32, 16, 4, 32, False),
+}
+
+
+@pytest.mark.parametrize(("name", "state_mb", "kv_kb"), [("0.8B", 18, 12), ("9B", 48, 32)])
+def test_published_configs_parse_and_size(tmp_path: Path, name: str, state_mb: int, kv_kb: int):
+    """KV pages for the attention layers only; per request, every linear layer's state:
+    value_heads x 128 x 128 x 4 bytes plus its conv's last 3 inputs (bf16)."""
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED[name]))
+    mc = ModelConfig.from_path(tmp_path)
+    layers = mc.num_layers
+    assert mc.architecture == "Qwen3_5ForConditionalGeneration" and mc.head_dim == 256
+    assert attention_layers(mc) == list(range(3, layers, 4))
+    assert mc.rope is not None and mc.rope.rotary_dim == 64 and mc.rope.theta == 1e7
+    assert mc.tie_word_embeddings == (name == "0.8B") and mc.linear is not None
+    kv = MHAKVCache.bytes_per_page(
+        len(attention_layers(mc)), 1, mc.num_kv_heads, 256, torch.bfloat16
+    )
+    assert kv == kv_kb * 1024  # a token's K and V, in bf16, for a quarter of the layers
+    linear = layers - len(attention_layers(mc))
+    ssm = linear * mc.linear.num_value_heads * 128 * 128 * 4
+    conv = linear * mc.linear.conv_dim * 3 * 2
+    per_req = RecurrentStatePool.bytes_per_slot(linear, mc.linear, torch.bfloat16)
+    assert per_req == ssm + conv and ssm == state_mb * 2**20
+    config = EngineConfig(str(tmp_path), device="cpu", max_running_req=8)
+    shape = EngineShape(config, mc, torch.device("cpu"), torch.bfloat16, torch.bfloat16,
+                        4096, mc.num_heads, mc.num_kv_heads, 0)  # fmt: skip
+    assert state_pool_bytes(shape) == 9 * per_req  # 8 rows and the dummy request's
+    pages = pages_from_budget(shape)
+    assert pages * kv <= 512 * 2**20 - 9 * per_req < (pages + 1) * kv  # the CPU budget
