@@ -20,8 +20,9 @@ import pytest
 import torch
 from helpers import TINY, Driver, all_logits, make_engine, need
 
-from minisgl.core import SamplingParams
+from minisgl.core import Batch, SamplingParams
 from minisgl.engine.config import EngineConfig, check_model_files
+from minisgl.engine.graph import GraphCaptureBuffer
 from minisgl.engine.startup import EngineShape, pages_from_budget
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
@@ -189,8 +190,6 @@ def test_what_a_hybrid_cannot_do_yet_fails_by_name(folders, monkeypatch) -> None
     monkeypatch.setattr(ENV.CPU_KV_CACHE_MB, "value", 1)
     with pytest.raises(MemoryError, match="recurrent states of 64 requests take 2 MB"):
         make_engine(path, num_page_override=None, max_running_req=64)
-    engine = make_engine(path, cuda_graph_max_bs=2)  # emulated graphs on a CPU: none here
-    assert engine.graph_runner.graph_map == {}
     for arch in ("Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM"):
         raw = {**TEXT, "architectures": [arch], "layer_types": ["linear_attention"] * 4}
         from minisgl.models.register import create_model
@@ -256,3 +255,89 @@ def test_published_configs_parse_and_size(tmp_path: Path, name: str, state_mb: i
     assert state_pool_bytes(shape) == 9 * per_req  # 8 rows and the dummy request's
     pages = pages_from_budget(shape)
     assert pages * kv <= 512 * 2**20 - 9 * per_req < (pages + 1) * kv  # the CPU budget
+
+
+# ---- decode graphs: the state slots go through the graphs' static buffer -----------------
+
+
+def graph_run(llm: LLM) -> tuple[list[list[int]], list[str]]:
+    """The greedy tokens of the three prompts together, and each replay's batch size and
+    the size it padded to."""
+    runner, log = llm.engine.graph_runner, []
+    replay = type(runner).replay
+
+    def logged(batch):
+        log.append(f"{batch.size}->{batch.padded_size}")
+        return replay(runner, batch)
+
+    runner.replay = logged
+    try:
+        out = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    finally:
+        del runner.replay
+    return [o["token_ids"] for o in out], log
+
+
+def test_decode_graphs_replay_as_eager(folders, alone) -> None:
+    """Emulated decode graphs of 1, 2 and 4 requests: three requests pad to four (the
+    padding row writes only the dummy request's slot), and the tokens are those of eager
+    runs; no prefill graph is planned for a hybrid."""
+    llm = LLM(str(folders["mm"]), cuda_graph_max_bs=4, prefill_graph="full", **SERVE)
+    runner = llm.engine.graph_runner
+    assert sorted(runner.graph_map) == [1, 2, 4] and runner.graphs("prefill") == {}
+    buffer = runner.buffer.state_slots
+    assert buffer is not None and buffer.tolist() == [llm.engine.dummy_req.table_idx] * 4
+    got, log = graph_run(llm)
+    llm.shutdown()
+    assert "3->4" in log and len(log) >= PARAMS.max_tokens - 1
+    assert got == alone
+
+
+def test_decode_graph_logits_equal_eager(folders) -> None:
+    """Teacher-forced decode steps of three requests, padded to a graph of four: the logits
+    of the replays equal those of eager forwards."""
+    ids = [token_ids(20 + i, 12) for i in range(3)]
+
+    def decode_logits(engine, replays: list[int]) -> torch.Tensor:
+        driver, out = Driver(engine), []
+        reqs = [driver.add(p[:-3], SamplingParams(max_tokens=4), row=i) for i, p in enumerate(ids)]
+        all_logits(engine, reqs, "prefill")
+        for k in (3, 2, 1):
+            for r, p in zip(reqs, ids):
+                engine.token_pool[r.table_idx, len(p) - k] = p[-k]  # the reference's token
+                r.append_host(p[-k])
+            batch = Batch(reqs, "decode")
+            engine.prepare_batch(batch)
+            if engine.graph_runner.can_use_cuda_graph(batch):
+                replays.append(batch.padded_size)
+            out.append(engine.logits(batch).clone())
+            for r in reqs:
+                r.complete_one()
+        return torch.cat(out)
+
+    eager_replays: list[int] = []
+    eager = decode_logits(make_engine(folders["mm"], max_running_req=4), eager_replays)
+    engine = make_engine(folders["mm"], max_running_req=4, cuda_graph_max_bs=4)
+    replays: list[int] = []
+    graphed = decode_logits(engine, replays)
+    assert eager_replays == [] and replays == [4, 4, 4]
+    assert (graphed - eager).abs().max().item() <= 1e-5
+
+
+def test_a_state_slot_that_bypasses_the_buffer_breaks_replay(folders, alone, monkeypatch):
+    """If the copy before replay leaves the state slots out, the graph reads the slots it
+    was captured with (the dummy request's): the tokens change."""
+    copy_from = GraphCaptureBuffer.copy_from
+
+    def forgetful(self: GraphCaptureBuffer, batch) -> None:
+        slots, self.state_slots = self.state_slots, None
+        try:
+            copy_from(self, batch)
+        finally:
+            self.state_slots = slots
+
+    monkeypatch.setattr(GraphCaptureBuffer, "copy_from", forgetful)
+    llm = LLM(str(folders["mm"]), cuda_graph_max_bs=4, **SERVE)
+    got, log = graph_run(llm)
+    llm.shutdown()
+    assert log and got != alone

@@ -49,6 +49,7 @@ class GraphCaptureBuffer:
     out_loc: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     logits: torch.Tensor  # [rows, vocab]
+    state_slots: torch.Tensor | None = None  # [requests] a hybrid's state slots  # [ch29]
 
     @classmethod
     def init(
@@ -69,6 +70,8 @@ class GraphCaptureBuffer:
             self.out_loc[s],
             self.positions[s],
         )
+        if self.state_slots is not None:  # [ch29]
+            batch.state_slots = self.state_slots[: batch.size]  # [ch29]
 
     def copy_from(self, batch: Batch) -> None:
         """Before replay: this step's inputs go into the buffers."""
@@ -76,6 +79,8 @@ class GraphCaptureBuffer:
         self.input_ids[s] = batch.input_ids
         self.out_loc[s] = batch.out_loc
         self.positions[s] = batch.positions
+        if self.state_slots is not None:  # padded with the dummy request's slot  # [ch29]
+            self.state_slots[: len(batch.state_slots)] = batch.state_slots  # [ch29]
 
 
 class EmulatedGraph:
@@ -203,7 +208,6 @@ class GraphPlan:
         config, device = shape.config, shape.device
         plan = cls([], shape.max_seq_len, device.type != "cuda" or config.debug_cuda_graph)
         plan.blocker = blocker = model.cuda_graph_blocker if not plan.emulated else None
-        plan.blocker = blocker = model.graph_blocker or blocker  # [ch29]
         if not plan.emulated and "decode" not in backend.cuda_graphs:
             blocker = f"the {backend.name} attention backend cannot be captured"
         sizes = config.cuda_graph_bs
@@ -258,6 +262,9 @@ class GraphRunner:
             max(s.tokens for _, s in todo), rows, vocab_size, self.device
         )
         pool, ctx = None, get_global_ctx()
+        if ctx.state_pool is not None:  # [ch29]
+            n = max(s.slots for _, s in todo)  # [ch29]
+            self.buffer.state_slots = ctx.state_pool.graph_slots(n, plan.dummy_req)  # [ch29]
         with _gc_frozen(self.stream is not None):
             for kind, shape in todo:
                 batch = kind.capture_batch(shape, self.attn_backend)

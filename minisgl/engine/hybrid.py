@@ -7,7 +7,9 @@ with KV pages) cannot do yet, refused or turned off by name at start-up.
 - A radix-cache hit skips the prefix's forward, so its recurrent state would never be
   computed: without state snapshots the prefix cache is wrong. The scheduler runs a hybrid
   model with the naive cache (`prefix_cache`) and says so.
-- Graphs: the model's `graph_blocker` turns them off (engine/graph.py).
+- Graphs: decode graphs run, their state slots in the graphs' static buffers (engine/graph.py);
+  prefill and verify graphs are off (`graph_blocker`): the linear layers' prefill path
+  splits the batch by request on the host, so a graph would keep the capture's split.
 
 No torch here: the command line checks the options in the API server's process.
 """
@@ -46,6 +48,17 @@ def check_hybrid(config: Any) -> None:
             f"tp_size {config.tp_size} is not supported for {arch} yet: its linear-attention "
             "layers are not split across ranks"
         )
+
+
+def graph_blocker(model_config: ModelConfig) -> str | None:
+    """Why a model's prefill and verify graphs are off (None: they may run): a hybrid's
+    linear layers loop over a prefill's requests on the host."""
+    if model_config.linear is None:
+        return None
+    return (
+        "the linear-attention layers' prefill path loops over requests on the host, "
+        "so a graph would replay the lengths it was captured with"
+    )
 
 
 def prefix_cache(model_config: ModelConfig, cache_type: str) -> str:

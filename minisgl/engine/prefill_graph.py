@@ -23,6 +23,7 @@ from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.engine.breakable import BoundaryBuffers, BreakableGraph
 from minisgl.engine.graph import GraphKind, GraphPlan, GraphShape
+from minisgl.engine.hybrid import graph_blocker  # [ch29]
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
@@ -132,8 +133,10 @@ def plan_prefill_graphs(
         mode = "breakable" if on_cuda and config.cuda_graph_max_bs != 0 else "off"
     if mode == "off":
         return []
-    if plan.blocker is not None:
-        logger.info("prefill graphs off: %s", plan.blocker)
+    blocker = plan.blocker
+    blocker = blocker or graph_blocker(shape.model_config)  # a hybrid's  # [ch29]
+    if blocker is not None:
+        logger.info("prefill graphs off: %s", blocker)
         return []
     if mode == "full" and on_cuda and "prefill" not in backend.cuda_graphs:
         raise ValueError(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 from minisgl.models.families import LinearAttention, attention_layers
 from minisgl.utils import to_device
 
@@ -74,6 +74,13 @@ class RecurrentStatePool:
             index = to_device(fresh, self.device, torch.int64)
             self.conv.index_fill_(1, index, 0)
             self.ssm.index_fill_(1, index, 0)
+
+    def graph_slots(self, num_reqs: int, dummy_req: Req) -> torch.Tensor:
+        """The graphs' static buffer of state slots (engine/graph.py), for `num_reqs` requests:
+        a capture batch's `state_slots` is a view of it, and before each replay it takes the
+        live batch's. It starts as the dummy request's slot, which padding rows keep, so a
+        padding row writes only the dummy's state, never a live request's."""
+        return torch.full((num_reqs,), dummy_req.table_idx, dtype=torch.int64, device=self.device)
 
 
 # ---- its size at start-up: before the KV pages, from the same budget

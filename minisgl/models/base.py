@@ -12,7 +12,6 @@ class BaseLLMModel(ABC, nn.Module):
     # Why the forward cannot be captured in a CUDA graph (it reads the device on the host),
     # or None when it can.
     cuda_graph_blocker: str | None = None  # [ch18]
-    graph_blocker: str | None = None  # why no graph at all, not even an emulated one  # [ch29]
 
     @abstractmethod
     def forward(self) -> torch.Tensor:

@@ -12,10 +12,9 @@ changes from Qwen3's attention:
 The MLP is Llama's. Only the attention layers are in the KV pool: the k-th of them is the
 pool's layer k (`families.attention_layers`).
 
-What this model cannot run yet is refused by name: its state slots are not in a graph's
-static buffers (no graphs, even emulated ones), prefix caching needs state snapshots (the
-engine runs it with the naive cache), speculative decoding and tensor parallelism are
-refused at start-up (engine/startup.py).
+What this model cannot run yet is refused by name: prefill graphs (engine/hybrid.py),
+prefix caching needs state snapshots (the engine runs it with the naive cache), speculative
+decoding and tensor parallelism are refused at start-up (engine/startup.py).
 """
 
 from __future__ import annotations
@@ -34,8 +33,6 @@ from minisgl.models.config import ModelConfig
 from minisgl.models.families import LINEAR, layer_rope
 from minisgl.models.gemma3 import GemmaRMSNorm
 from minisgl.models.llama import LlamaMLP
-
-NO_GRAPHS = "the linear-attention layers' state slots are not in the graph's static buffers yet"
 
 
 class GatedAttention(nn.Module):
@@ -108,9 +105,6 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(BaseLLMModel):
-    cuda_graph_blocker = NO_GRAPHS
-    graph_blocker = NO_GRAPHS
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.model = Qwen3_5Model(config)
