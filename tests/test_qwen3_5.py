@@ -4,7 +4,8 @@ A tiny random Qwen3.5 (3 linear layers + 1 attention layer, seed 0, fp32) is sav
 published multimodal layout (a vision tower beside the text model) and as the text-only
 CausalLM, and compared with transformers under teacher forcing: a prefill in two chunks
 (the second over the state the first left), then decode steps. Batched and chunked runs
-must give each request the tokens it gets alone; the published configs of Qwen3.5-0.8B and
+must give each request the tokens it gets alone, and so must emulated decode graphs, whose
+state slots go through the graphs' static buffer; the published configs of Qwen3.5-0.8B and
 9B must parse and size the engine; what a hybrid cannot do yet fails by name.
 """
 
