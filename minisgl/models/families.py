@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
-_QWEN3_5_MM = "Qwen3_5ForConditionalGeneration"  # its text model's config in `text_config`
+# Their text model's config in `text_config`.
+_QWEN3_5_MM = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # Gemma3TextConfig's defaults: what a Gemma 3 config.json leaves out.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -84,7 +85,7 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The config of the text model to build: Gemma 3's defaults under what the checkpoint
     states, its `text_config` lifted out of a multimodal one."""
     archs = raw.get("architectures") or []
-    if archs and archs[0] == _QWEN3_5_MM:
+    if archs and archs[0] in _QWEN3_5_MM:
         text = {k: v for k, v in (raw.get("text_config") or {}).items() if v is not None}
         tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         dtype = text.get("dtype") or raw.get("dtype") or raw.get("torch_dtype")
