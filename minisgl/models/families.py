@@ -51,6 +51,7 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
+_QWEN3_NEXT = "Qwen3NextForCausalLM"  # a hybrid whose config may leave layer_types out
 # Where a multimodal checkpoint keeps its text model's tensors, and what else it holds.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
@@ -90,6 +91,8 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
         tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         dtype = text.get("dtype") or raw.get("dtype") or raw.get("torch_dtype")
         return {**text, "architectures": archs, "tie_word_embeddings": tied, "torch_dtype": dtype}
+    if archs and archs[0] == _QWEN3_NEXT:
+        return qwen3_next_defaults(raw)
     if not archs or archs[0] not in _GEMMA3:
         return raw
     multimodal = archs[0] == "Gemma3ForConditionalGeneration"
@@ -103,6 +106,19 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
         if merged.get(option):
             raise ValueError(f"{archs[0]} with {option}={merged[option]!r} is not supported")
     return merged
+
+
+def qwen3_next_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """What a Qwen3-Next config.json may leave out: its layer types (every
+    `full_attention_interval`-th layer attends, the rest are linear) and its partial RoPE."""
+    raw = dict(raw)
+    if not raw.get("layer_types"):
+        every = raw.get("full_attention_interval") or 4
+        n = raw["num_hidden_layers"]
+        raw["layer_types"] = [LINEAR if (i + 1) % every else FULL for i in range(n)]
+    if "partial_rotary_factor" not in {**raw, **(raw.get("rope_parameters") or {})}:
+        raw["partial_rotary_factor"] = 0.25
+    return raw
 
 
 def family_fields(raw: dict[str, Any], head_dim: int, sliding_window: int | None) -> dict:

@@ -89,13 +89,15 @@ def make_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
 
 
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, index: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, index: int, linear_cls: type[GatedDeltaNet]
+    ) -> None:
         """`index`: the layer's place among its kind (linear layers or attention layers)."""
         super().__init__()
         c = config
         if c.layer_types[layer_id] == LINEAR:
             assert c.linear is not None, "linear_attention layers need the linear_* fields"
-            self.linear_attn = GatedDeltaNet(c.hidden_size, c.linear, c.rms_norm_eps, index)
+            self.linear_attn = linear_cls(c.hidden_size, c.linear, c.rms_norm_eps, index)
         else:
             self.self_attn = GatedAttention(c, layer_id, index)
         self.is_linear = c.layer_types[layer_id] == LINEAR
@@ -117,14 +119,14 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, linear_cls: type[GatedDeltaNet]) -> None:
         super().__init__()
         c = config
         self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size)
         kinds = [t == LINEAR for t in c.layer_types]
         index = [kinds[:i].count(kinds[i]) for i in range(c.num_layers)]
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(c, i, index[i]) for i in range(c.num_layers)
+            Qwen3_5DecoderLayer(c, i, index[i], linear_cls) for i in range(c.num_layers)
         )
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -138,10 +140,11 @@ class Qwen3_5Model(nn.Module):
 class Qwen3_5ForCausalLM(BaseLLMModel):
     cuda_graph_blocker = NO_GRAPHS
     graph_blocker = NO_GRAPHS
+    linear_attention = GatedDeltaNet  # Qwen3-Next's loads its projections fused
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.model = Qwen3_5Model(config)
+        self.model = Qwen3_5Model(config, self.linear_attention)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -21,6 +21,7 @@ _MODELS = {
     "Qwen3_5ForConditionalGeneration": "minisgl.models.qwen3_5",
     "Qwen3_5MoeForCausalLM": "minisgl.models.qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "minisgl.models.qwen3_5",
+    "Qwen3NextForCausalLM": "minisgl.models.qwen3_next",
     # <<< ch29
 }
 
