@@ -118,20 +118,15 @@ def _rope_theta(raw: dict[str, Any]) -> float:
     return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
 
 
-# Routers that always renormalise their top-k weights, whatever config.json says (or omits).
-_ALWAYS_NORMALISED = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
-
-
 def _moe(raw: dict[str, Any]) -> MoEConfig | None:
     num_experts = raw.get("num_experts") or raw.get("num_local_experts")
     if not num_experts:
         return None
-    arch = (raw.get("architectures") or [""])[0]
     return MoEConfig(
         num_experts=num_experts,
         top_k=raw["num_experts_per_tok"],
         intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
-        norm_topk_prob=raw.get("norm_topk_prob", arch in _ALWAYS_NORMALISED),
+        norm_topk_prob=raw.get("norm_topk_prob", False),
         sparse_step=raw.get("decoder_sparse_step", 1) or 1,
         dense_layers=tuple(raw.get("mlp_only_layers") or ()),
         shared_size=raw.get("shared_expert_intermediate_size") or 0,  # [ch29]

@@ -51,6 +51,8 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
+# Routers that renormalise their top-k weights whatever config.json says (or leaves out).
+_ALWAYS_NORMALISED = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
 _QWEN3_NEXT = "Qwen3NextForCausalLM"  # a hybrid whose config may leave layer_types out
 # Where a multimodal checkpoint keeps its text model's tensors, and what else it holds.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
@@ -86,6 +88,10 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The config of the text model to build: Gemma 3's defaults under what the checkpoint
     states, its `text_config` lifted out of a multimodal one."""
     archs = raw.get("architectures") or []
+    if archs and archs[0] in _ALWAYS_NORMALISED:
+        raw = {**raw, "norm_topk_prob": True}
+        if raw.get("text_config"):  # a multimodal config: where its text model's fields are
+            raw["text_config"] = {**raw["text_config"], "norm_topk_prob": True}
     if archs and archs[0] in _QWEN3_5_MM:
         text = {k: v for k, v in (raw.get("text_config") or {}).items() if v is not None}
         tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
