@@ -1,8 +1,9 @@
 """Qwen3.5-MoE: Qwen3.5's hybrid layers with routed experts beside a gated shared expert.
 
 A tiny random Qwen3.5-MoE (3 linear layers + 1 attention layer, 4 experts top-2, seed 0,
-fp32), saved as transformers saves it (one tensor per expert) and rewritten in the
-published layout (each projection's experts fused in one tensor), is compared with
+fp32), saved as transformers saves it (one tensor per expert), rewritten in the published
+layout (each projection's experts fused in one tensor) and as the text-only CausalLM, is
+compared with
 transformers under teacher forcing: a prefill in two chunks, then decode steps. Batched and
 chunked runs give each request the tokens it gets alone; the published config of
 Qwen3.5-35B-A3B parses and sizes the engine; what a hybrid cannot do yet fails by name.
@@ -40,7 +41,12 @@ MOE: dict[str, Any] = dict(
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+    from transformers import (
+        Qwen3_5MoeConfig,
+        Qwen3_5MoeForCausalLM,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3_5MoeTextConfig,
+    )
 
     root = tmp_path_factory.mktemp("qwen3_5_moe")
     text = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
@@ -50,11 +56,15 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     _perturb(model.float())
     model.save_pretrained(root / "mm")
     fuse_experts(root / "mm", root / "fused")
+    torch.manual_seed(0)
+    text_model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text, **MOE))
+    _perturb(text_model.float())
+    text_model.save_pretrained(root / "text")
     tok = need(TINY["llama"])  # a tokenizer for the offline API (the prompts are token ids)
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (tok / f).is_file():
             shutil.copy(tok / f, root / "fused" / f)
-    return {"mm": root / "mm", "fused": root / "fused"}
+    return {"mm": root / "mm", "fused": root / "fused", "text": root / "text"}
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +93,15 @@ def fuse_experts(src: Path, dst: Path) -> None:
 
 
 def hf_reference(path: Path, ids: list[int]) -> torch.Tensor:
-    from transformers import Qwen3_5MoeForConditionalGeneration
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration
 
-    model = Qwen3_5MoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    cls = (
+        Qwen3_5MoeForCausalLM
+        if arch == "Qwen3_5MoeForCausalLM"
+        else Qwen3_5MoeForConditionalGeneration
+    )
+    model = cls.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
 
@@ -103,7 +119,7 @@ def test_checkpoint_keeps_experts_fused(folder) -> None:
     assert prefix + "shared_expert.gate_proj.weight" in names and prefix + "gate.weight" in names
 
 
-@pytest.mark.parametrize("layout", ["fused", "mm"])
+@pytest.mark.parametrize("layout", ["fused", "mm", "text"])
 def test_logits_equal_transformers(folders, layout: str) -> None:
     ids = token_ids(0, 24)
     engine = make_engine(folders[layout], page_size=4, max_running_req=4)
@@ -112,7 +128,7 @@ def test_logits_equal_transformers(folders, layout: str) -> None:
     assert mlps[0].norm_topk_prob  # Qwen3.5-MoE always renormalises, config or not
     assert engine.kv_cache._k.shape[0] == 1 and engine.state_pool.ssm.shape[0] == 3
     got = teacher_forced(engine, ids)
-    want = hf_reference(folders["mm"], ids)
+    want = hf_reference(folders["mm" if layout == "fused" else layout], ids)
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= TOL
 
