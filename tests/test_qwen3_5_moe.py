@@ -3,10 +3,10 @@
 A tiny random Qwen3.5-MoE (3 linear layers + 1 attention layer, 4 experts top-2, seed 0,
 fp32), saved as transformers saves it (one tensor per expert), rewritten in the published
 layout (each projection's experts fused in one tensor) and as the text-only CausalLM, is
-compared with
-transformers under teacher forcing: a prefill in two chunks, then decode steps. Batched and
-chunked runs give each request the tokens it gets alone; the published config of
-Qwen3.5-35B-A3B parses and sizes the engine; what a hybrid cannot do yet fails by name.
+compared with transformers under teacher forcing: a prefill in two chunks, then decode
+steps. Batched and chunked runs give each request the tokens it gets alone; the published
+config of Qwen3.5-35B-A3B parses and sizes the engine; what a hybrid cannot do yet fails by
+name.
 """
 
 from __future__ import annotations
