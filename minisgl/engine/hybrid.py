@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+# Hybrids whose config.json may not write layer_types out (they follow full_attention_interval).
+_HYBRID_ARCHS = ("Qwen3NextForCausalLM",)
 
 
 def check_hybrid(config: Any) -> None:
@@ -35,9 +37,9 @@ def check_hybrid(config: Any) -> None:
         return
     raw = json.loads(path.read_text())
     text = raw.get("text_config") or raw
-    if "linear_attention" not in (text.get("layer_types") or ()):
-        return
     arch = (raw.get("architectures") or ["this model"])[0]
+    if "linear_attention" not in (text.get("layer_types") or ()) and arch not in _HYBRID_ARCHS:
+        return
     if config.speculative != "off":
         raise ValueError(
             f"speculative decoding ({config.speculative!r}) is not supported for {arch} yet: "

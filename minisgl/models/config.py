@@ -29,6 +29,7 @@ class MoEConfig:
     norm_topk_prob: bool
     sparse_step: int  # every `sparse_step`-th layer is MoE ...
     dense_layers: tuple[int, ...]  # ... except these, which keep a dense MLP
+    shared_size: int = 0  # a shared expert's width beside the routed ones (0: none)  # [ch29]
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return layer_id not in self.dense_layers and (layer_id + 1) % self.sparse_step == 0
@@ -81,7 +82,7 @@ class ModelConfig:
             architecture=archs[0],
             vocab_size=raw["vocab_size"],
             hidden_size=hidden_size,
-            intermediate_size=raw["intermediate_size"],
+            intermediate_size=raw.get("intermediate_size") or raw.get("moe_intermediate_size", 0),
             num_layers=raw["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=raw.get("num_key_value_heads") or num_heads,
@@ -124,8 +125,9 @@ def _moe(raw: dict[str, Any]) -> MoEConfig | None:
     return MoEConfig(
         num_experts=num_experts,
         top_k=raw["num_experts_per_tok"],
-        intermediate_size=raw.get("moe_intermediate_size", raw["intermediate_size"]),
+        intermediate_size=raw.get("moe_intermediate_size") or raw["intermediate_size"],
         norm_topk_prob=raw.get("norm_topk_prob", False),
         sparse_step=raw.get("decoder_sparse_step", 1) or 1,
         dense_layers=tuple(raw.get("mlp_only_layers") or ()),
+        shared_size=raw.get("shared_expert_intermediate_size") or 0,  # [ch29]
     )

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
-_QWEN3_5_MM = "Qwen3_5ForConditionalGeneration"  # its text model's config in `text_config`
+# Their text model's config in `text_config`.
+_QWEN3_5_MM = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # Gemma3TextConfig's defaults: what a Gemma 3 config.json leaves out.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -50,6 +51,9 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
+# Routers that renormalise their top-k weights whatever config.json says (or leaves out).
+_ALWAYS_NORMALISED = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
+_QWEN3_NEXT = "Qwen3NextForCausalLM"  # a hybrid whose config may leave layer_types out
 # Where a multimodal checkpoint keeps its text model's tensors, and what else it holds.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
@@ -84,11 +88,17 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The config of the text model to build: Gemma 3's defaults under what the checkpoint
     states, its `text_config` lifted out of a multimodal one."""
     archs = raw.get("architectures") or []
-    if archs and archs[0] == _QWEN3_5_MM:
+    if archs and archs[0] in _ALWAYS_NORMALISED:
+        raw = {**raw, "norm_topk_prob": True}
+        if raw.get("text_config"):  # a multimodal config: where its text model's fields are
+            raw["text_config"] = {**raw["text_config"], "norm_topk_prob": True}
+    if archs and archs[0] in _QWEN3_5_MM:
         text = {k: v for k, v in (raw.get("text_config") or {}).items() if v is not None}
         tied = raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
         dtype = text.get("dtype") or raw.get("dtype") or raw.get("torch_dtype")
         return {**text, "architectures": archs, "tie_word_embeddings": tied, "torch_dtype": dtype}
+    if archs and archs[0] == _QWEN3_NEXT:
+        return qwen3_next_defaults(raw)
     if not archs or archs[0] not in _GEMMA3:
         return raw
     multimodal = archs[0] == "Gemma3ForConditionalGeneration"
@@ -102,6 +112,19 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
         if merged.get(option):
             raise ValueError(f"{archs[0]} with {option}={merged[option]!r} is not supported")
     return merged
+
+
+def qwen3_next_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """What a Qwen3-Next config.json may leave out: its layer types (every
+    `full_attention_interval`-th layer attends, the rest are linear) and its partial RoPE."""
+    raw = dict(raw)
+    if not raw.get("layer_types"):
+        every = raw.get("full_attention_interval") or 4
+        n = raw["num_hidden_layers"]
+        raw["layer_types"] = [LINEAR if (i + 1) % every else FULL for i in range(n)]
+    if "partial_rotary_factor" not in {**raw, **(raw.get("rope_parameters") or {})}:
+        raw["partial_rotary_factor"] = 0.25
+    return raw
 
 
 def family_fields(raw: dict[str, Any], head_dim: int, sliding_window: int | None) -> dict:

@@ -9,7 +9,8 @@ changes from Qwen3's attention:
   the three mrope sections of the vision model all see the same position for text, so this
   is plain partial RoPE;
 - the q/k norms, like every norm of the decoder (not the gated one), scale by (1 + w).
-The MLP is Llama's. Only the attention layers are in the KV pool: the k-th of them is the
+The MLP is Llama's; Qwen3.5-MoE's is a mixture of experts beside a shared expert
+(`SharedExpertMoE`). Only the attention layers are in the KV pool: the k-th of them is the
 pool's layer k (`families.attention_layers`).
 
 What this model cannot run yet is refused by name: prefill graphs (engine/hybrid.py),
@@ -27,9 +28,10 @@ from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import LMHead, VocabEmbedding
 from minisgl.layers.gated_deltanet import GatedDeltaNet
 from minisgl.layers.linear import Linear
+from minisgl.layers.moe import MoEBlock
 from minisgl.layers.rotary import get_rope
 from minisgl.models.base import BaseLLMModel
-from minisgl.models.config import ModelConfig
+from minisgl.models.config import ModelConfig, MoEConfig
 from minisgl.models.families import LINEAR, layer_rope
 from minisgl.models.gemma3 import GemmaRMSNorm
 from minisgl.models.llama import LlamaMLP
@@ -57,18 +59,46 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(-1, self.q_size)))
 
 
+class SharedExpertMoE(MoEBlock):
+    """The routed experts plus one MLP that every token passes through, its output scaled
+    per token by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+        super().__init__(hidden_size, moe)
+        self.shared_expert = LlamaMLP(hidden_size, moe.shared_size)
+        self.shared_expert_gate = Linear(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x) * torch.sigmoid(self.shared_expert_gate(x))
+        return super().forward(x) + shared
+
+
+def make_mlp(config: ModelConfig, layer_id: int) -> nn.Module:
+    """Llama's MLP, or on a MoE model's sparse layers the experts (and a shared one)."""
+    c = config
+    if c.moe is None or not c.moe.is_moe_layer(layer_id):
+        return LlamaMLP(c.hidden_size, c.intermediate_size)
+    return (
+        SharedExpertMoE(c.hidden_size, c.moe)
+        if c.moe.shared_size
+        else MoEBlock(c.hidden_size, c.moe)
+    )
+
+
 class Qwen3_5DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, index: int) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_id: int, index: int, linear_cls: type[GatedDeltaNet]
+    ) -> None:
         """`index`: the layer's place among its kind (linear layers or attention layers)."""
         super().__init__()
         c = config
         if c.layer_types[layer_id] == LINEAR:
             assert c.linear is not None, "linear_attention layers need the linear_* fields"
-            self.linear_attn = GatedDeltaNet(c.hidden_size, c.linear, c.rms_norm_eps, index)
+            self.linear_attn = linear_cls(c.hidden_size, c.linear, c.rms_norm_eps, index)
         else:
             self.self_attn = GatedAttention(c, layer_id, index)
         self.is_linear = c.layer_types[layer_id] == LINEAR
-        self.mlp = LlamaMLP(c.hidden_size, c.intermediate_size)
+        self.mlp = make_mlp(c, layer_id)
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -86,14 +116,14 @@ class Qwen3_5DecoderLayer(nn.Module):
 
 
 class Qwen3_5Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, linear_cls: type[GatedDeltaNet]) -> None:
         super().__init__()
         c = config
         self.embed_tokens = VocabEmbedding(c.vocab_size, c.hidden_size)
         kinds = [t == LINEAR for t in c.layer_types]
         index = [kinds[:i].count(kinds[i]) for i in range(c.num_layers)]
         self.layers = nn.ModuleList(
-            Qwen3_5DecoderLayer(c, i, index[i]) for i in range(c.num_layers)
+            Qwen3_5DecoderLayer(c, i, index[i], linear_cls) for i in range(c.num_layers)
         )
         self.norm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -105,9 +135,11 @@ class Qwen3_5Model(nn.Module):
 
 
 class Qwen3_5ForCausalLM(BaseLLMModel):
+    linear_attention = GatedDeltaNet  # Qwen3-Next's loads its projections fused
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.model = Qwen3_5Model(config)
+        self.model = Qwen3_5Model(config, self.linear_attention)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -118,3 +150,11 @@ class Qwen3_5ForCausalLM(BaseLLMModel):
 
 class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     """The text model of a Qwen3.5 checkpoint; its vision tower and MTP head are not loaded."""
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: every MLP is routed experts beside a gated shared expert."""
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The text model of a Qwen3.5-MoE checkpoint (experts stored fused, as we keep them)."""

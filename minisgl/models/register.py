@@ -19,6 +19,9 @@ _MODELS = {
     "Phi3ForCausalLM": "minisgl.models.phi3",
     "Qwen3_5ForCausalLM": "minisgl.models.qwen3_5",
     "Qwen3_5ForConditionalGeneration": "minisgl.models.qwen3_5",
+    "Qwen3_5MoeForCausalLM": "minisgl.models.qwen3_5",
+    "Qwen3_5MoeForConditionalGeneration": "minisgl.models.qwen3_5",
+    "Qwen3NextForCausalLM": "minisgl.models.qwen3_next",
     # <<< ch29
 }
 
