@@ -18,7 +18,7 @@ forward left there.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -27,9 +27,19 @@ from minisgl.models.families import LinearAttention, attention_layers
 from minisgl.utils import to_device
 
 if TYPE_CHECKING:
-    from minisgl.engine.startup import EngineShape
+    from minisgl.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+
+
+class EngineShape(Protocol):
+    """What sizing the pool reads of the engine's shape (engine/startup.py), by name only: a
+    lower room does not import a higher one."""
+
+    model_config: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    config: Any  # an EngineConfig: its max_running_req
 
 
 class RecurrentStatePool:
