@@ -23,6 +23,30 @@ from pathlib import Path
 
 import torch
 
+# What the published Qwen3.5 and Gemma 4 configurations of every size share (MODELS.md).
+_QWEN3_5 = dict(
+    head_dim=256,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    linear_num_key_heads=16,
+    linear_conv_kernel_dim=4,
+    vocab_size=248320,
+    max_position_embeddings=262144,
+    rms_norm_eps=1e-6,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25),
+)
+_GEMMA4 = dict(
+    head_dim=256,
+    global_head_dim=512,
+    vocab_size=262144,
+    vocab_size_per_layer_input=262144,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    rope_parameters=dict(
+        sliding_attention=dict(rope_type="default", rope_theta=1e4),
+        full_attention=dict(rope_type="proportional", rope_theta=1e6, partial_rotary_factor=0.25),
+    ),
+)
 # Published configurations (the numbers that decide speed), by name.
 SHAPES = {
     "qwen3-0.6b": dict(
@@ -120,12 +144,70 @@ SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
     ),
+    # Qwen3.5: three Gated DeltaNet layers to one gated attention layer (MODELS.md); the text
+    # model alone (Qwen3_5ForCausalLM), which the engine serves as it serves the full checkpoint.
+    "qwen3.5-0.8b": dict(
+        arch="Qwen3_5ForCausalLM",
+        **_QWEN3_5,
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=24,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        linear_num_value_heads=16,
+        tie_word_embeddings=True,
+    ),
+    "qwen3.5-9b": dict(
+        arch="Qwen3_5ForCausalLM",
+        **_QWEN3_5,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=32,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        linear_num_value_heads=32,
+        tie_word_embeddings=False,
+    ),
+    # Gemma 4: five sliding layers (head_dim 256) to one global (512), the last layers of E4B
+    # reading an earlier layer's keys and values, per-layer embeddings of 256 a layer.
+    "gemma4-e4b": dict(
+        arch="Gemma4ForCausalLM",
+        **_GEMMA4,
+        layer_pattern=6,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=42,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        sliding_window=512,
+        num_kv_shared_layers=18,
+        hidden_size_per_layer_input=256,
+        max_position_embeddings=131072,
+    ),
+    "gemma4-31b": dict(
+        arch="Gemma4ForCausalLM",
+        **_GEMMA4,
+        layer_pattern=6,
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_hidden_layers=60,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        num_global_key_value_heads=4,
+        attention_k_eq_v=True,
+        sliding_window=1024,
+        num_kv_shared_layers=0,
+        hidden_size_per_layer_input=0,
+        max_position_embeddings=262144,
+    ),
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 MODEL_TYPES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "LlamaForCausalLM": "llama",
+    "Qwen3_5ForCausalLM": "qwen3_5_text",
+    "Gemma4ForCausalLM": "gemma4_text",
 }
 
 
@@ -174,6 +256,15 @@ def meta_model(shape: str, num_layers: int | None, dtype: torch.dtype):
     arch = spec.pop("arch")
     if num_layers is not None:
         spec["num_hidden_layers"] = num_layers
+        if spec.get("num_kv_shared_layers"):  # keep the share of layers that read another's
+            full = SHAPES[shape]["num_hidden_layers"]
+            spec["num_kv_shared_layers"] = spec["num_kv_shared_layers"] * num_layers // full
+    pattern = spec.pop("layer_pattern", None)
+    if pattern:  # Gemma 4: pattern - 1 sliding layers, then a global one, repeated
+        spec["layer_types"] = [
+            "full_attention" if i % pattern == pattern - 1 else "sliding_attention"
+            for i in range(spec["num_hidden_layers"])
+        ]
     config = AutoConfig.for_model(MODEL_TYPES[arch], architectures=[arch], **spec)
     with torch.device("meta"):
         return config, AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The models of 2026 on one H200, in one call: random weights in the published shapes of
+# Qwen3.5 (0.8B, 9B) and Gemma 4 (E4B, 31B with fewer layers), bf16, the engine's defaults.
+#
+#   OUT=/tmp/out bash tools/recipes/new_models_h200.sh                      # every stage
+#   OUT=/tmp/out STAGES=latency SHAPES=qwen3.5-0.8b bash tools/recipes/new_models_h200.sh
+#
+# latency: batch-1 ms/token (32 in, 128 out) and the steps at batch 8/64/256.
+# offline: nano-vllm's workload (256 sequences, 100-1024 in and out).
+# prefill: one prompt of 32K tokens.
+# kernels: the linear layers' torch path against our Triton kernels (tools/bench_gated_delta.py),
+#          where that tool is present.
+# GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
+# others; it is measured with this many layers (every layer its real shape) and the time per
+# token scaled by 60 / layers, which the log says.
+# TOKENIZER_FROM: a folder with SmolLM2's tokenizer files (prompts are random ids anyway).
+set -u
+OUT=${OUT:?set OUT to a folder for the results}
+TOK=${TOKENIZER_FROM:-.gpu_tok}
+STAGES=${STAGES:-latency,offline,prefill,kernels}
+SHAPES=${SHAPES:-qwen3.5-0.8b,qwen3.5-9b,gemma4-e4b,gemma4-31b}
+L31=${GEMMA4_31B_LAYERS:-16}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+mkdir -p "$OUT"
+log() { tee -a "$OUT/run.log"; }
+git log -1 --format='commit: %h %s' 2>/dev/null | log
+nvidia-smi -L | log
+for shape in ${SHAPES//,/ }; do
+  layers=()
+  [ "$shape" = gemma4-31b ] && layers=(--num-layers "$L31") && echo "gemma4-31b: $L31 of 60 layers" | log
+  [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" "${layers[@]}" \
+      --out "/root/$shape" --tokenizer-from "$TOK" --device cuda 2>&1 | tail -1 | log
+done
+if [[ $STAGES == *latency* ]]; then
+  for shape in ${SHAPES//,/ }; do
+    echo "== latency $shape" | log
+    timeout 400 python3 tools/bench_latency.py --model "/root/$shape" --skip-hf --skip-eager \
+        --batch-sizes 1,8,64,256 --input-len 32 --output-len 128 2>&1 \
+        | grep -E "^\| |ms/token|batch 1|Error|error" | log
+  done
+fi
+if [[ $STAGES == *offline* ]]; then
+  for shape in qwen3.5-0.8b gemma4-e4b; do
+    [[ ,$SHAPES, == *,$shape,* ]] || continue
+    echo "== offline $shape" | log
+    timeout 400 python3 tools/bench_offline.py --model "/root/$shape" --num-seqs 256 --min-input 100 \
+        --max-input 1024 --min-output 100 --max-output 1024 --skip-hf 2>&1 | tail -6 | log
+  done
+fi
+if [[ $STAGES == *prefill* ]]; then
+  for shape in qwen3.5-0.8b; do
+    [[ ,$SHAPES, == *,$shape,* ]] || continue
+    echo "== prefill $shape 32K" | log
+    timeout 300 python3 tools/bench_prefill.py --model "/root/$shape" --modes off --lengths 32768 \
+        --peak-tokens 32768 --repeat 3 --warmup 1 2>&1 | tail -8 | log
+  done
+fi
+if [[ $STAGES == *kernels* && -f tools/bench_gated_delta.py ]]; then
+  echo "== gated delta kernels" | log
+  timeout 300 python3 tools/bench_gated_delta.py 2>&1 | tail -40 | log
+fi
