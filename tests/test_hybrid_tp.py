@@ -21,11 +21,10 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import TINY, Driver, free_port, make_engine, need
+from helpers import TINY, Driver, free_port, make_engine, need, two_ranks
 from test_qwen3_5 import PUBLISHED, TEXT, VISION, _perturb, teacher_forced, token_ids
 from test_qwen3_5_moe import MOE, fuse_experts, published_35b
 from test_qwen3_next import CONFIG, PUBLISHED_80B
-from test_tensor_parallel import two_ranks
 
 from minisgl.core import SamplingParams
 from minisgl.distributed import get_tp_info
