@@ -6,7 +6,8 @@ each linear layer, so a rank keeps one key head and the two value heads that rea
 heads and one KV head in the attention layer, so a rank keeps one (query, gate) pair and both
 ranks hold the KV head. One pair of rank processes runs all three models: the logits under
 teacher forcing (a prefill in two chunks, the second over the state the first left, then
-decode steps) and the greedy tokens of three prompts batched, each compared with one rank.
+decode steps) and the greedy tokens of three prompts batched, each compared with one rank;
+the offline API over two ranks (the scheduler on rank 0) gives the tokens of one.
 The published configs' state pools are sized per rank, and a rank count that does not divide
 the linear heads is refused by name before anything loads.
 """
