@@ -370,3 +370,27 @@ def check_error(r: httpx.Response, status: int) -> dict[str, Any]:
 
 
 # <<< ch16
+
+
+# >>> ch21 ranks as processes
+def two_ranks(target: Any, *args: Any, results: int, timeout: float = 300) -> dict:
+    """Run `target(*args, rank, queue)` as ranks 0 and 1; the (key, value) pairs they put."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    ranks = [ctx.Process(target=target, args=(*args, r, queue)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=timeout) for _ in range(results))
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+    return got
+
+
+# <<< ch21

@@ -186,8 +186,6 @@ def test_what_a_hybrid_cannot_do_yet_fails_by_name(folders, monkeypatch) -> None
     path = folders["mm"]
     with pytest.raises(ValueError, match="speculative decoding .* not supported for Qwen3_5"):
         check_model_files(EngineConfig(str(path), speculative="ngram"))  # before any process
-    with pytest.raises(ValueError, match="tp_size 2 is not supported for Qwen3_5"):
-        make_engine(path, tp_size=2)
     monkeypatch.setattr(ENV.CPU_KV_CACHE_MB, "value", 1)
     with pytest.raises(MemoryError, match="recurrent states of 64 requests take 2 MB"):
         make_engine(path, num_page_override=None, max_running_req=64)

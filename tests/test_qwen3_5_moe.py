@@ -152,8 +152,6 @@ def test_batched_and_chunked_as_each_alone(folder) -> None:
 def test_what_a_hybrid_cannot_do_yet_fails_by_name(folder) -> None:
     with pytest.raises(ValueError, match="speculative decoding .* not supported for Qwen3_5Moe"):
         check_model_files(EngineConfig(str(folder), speculative="ngram"))
-    with pytest.raises(ValueError, match="tp_size 2 is not supported for Qwen3_5Moe"):
-        check_model_files(EngineConfig(str(folder), tp_size=2))
 
 
 def test_a_moe_without_shared_expert_keeps_the_plain_block() -> None:

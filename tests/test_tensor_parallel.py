@@ -14,7 +14,6 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
@@ -35,6 +34,7 @@ from helpers import (
     need,
     stop,
     titles,
+    two_ranks,
     wait_gone,
     wait_ready,
 )
@@ -87,24 +87,6 @@ def teacher_forced(path: Path, tp_size: int, rank: int, port: int) -> torch.Tens
         return torch.cat(out)
     finally:
         engine.shutdown()
-
-
-def two_ranks(target: Any, *args: Any, results: int, timeout: float = 300) -> dict:
-    """Run `target(*args, rank, queue)` as ranks 0 and 1; the (key, value) pairs they put."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    ranks = [ctx.Process(target=target, args=(*args, r, queue)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    try:
-        got = dict(queue.get(timeout=timeout) for _ in range(results))
-    finally:
-        for p in ranks:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in ranks] == [0, 0]
-    return got
 
 
 def rank_main(paths: list[Path], ports: list[int], rank: int, results: mp.Queue) -> None:

@@ -3,7 +3,9 @@ with KV pages) cannot do yet, refused or turned off by name at start-up.
 
 - Speculative decoding would need a verify step that keeps the state after each draft
   position and rolls it back to the accepted length: refused.
-- Tensor parallelism would split the linear layers' heads and conv channels: refused.
+- Tensor parallelism cuts the linear layers by key heads (each rank the value heads that
+  read its keys): a tp_size that does not divide linear_num_key_heads, or the shared
+  expert's width, is refused here, by name, rather than when a rank builds its layers.
 - A radix-cache hit skips the prefix's forward, so its recurrent state would never be
   computed: without state snapshots the prefix cache is wrong. The scheduler runs a hybrid
   model with the naive cache (`prefix_cache`) and says so.
@@ -30,8 +32,9 @@ _HYBRID_ARCHS = ("Qwen3NextForCausalLM",)
 
 
 def check_hybrid(config: Any) -> None:
-    """Raise ValueError for an option a hybrid model cannot honour yet (config: an
-    EngineConfig); run by `check_model_files`, before anything loads or a process starts."""
+    """Raise ValueError for an option a hybrid model cannot honour (config: an EngineConfig):
+    speculation, or ranks its heads do not divide among; run by `check_model_files`, before
+    anything loads or a process starts."""
     path = Path(config.model_path) / "config.json"
     if not path.is_file():
         return
@@ -45,11 +48,14 @@ def check_hybrid(config: Any) -> None:
             f"speculative decoding ({config.speculative!r}) is not supported for {arch} yet: "
             "its linear-attention layers' state cannot be rolled back to the accepted drafts"
         )
-    if config.tp_size > 1:
-        raise ValueError(
-            f"tp_size {config.tp_size} is not supported for {arch} yet: its linear-attention "
-            "layers are not split across ranks"
-        )
+    sizes = {k: text.get(k) for k in ("linear_num_key_heads", "shared_expert_intermediate_size")}
+    problems = [
+        f"{k} {v} is not divisible by {config.tp_size}"
+        for k, v in sizes.items()
+        if v and v % config.tp_size
+    ]
+    if problems:
+        raise ValueError(f"cannot split {arch} over {config.tp_size} ranks: {'; '.join(problems)}")
 
 
 def graph_blocker(model_config: ModelConfig) -> str | None:

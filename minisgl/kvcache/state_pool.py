@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from minisgl.core import Batch, Req
+from minisgl.distributed import get_tp_info
 from minisgl.models.families import LinearAttention, attention_layers
 from minisgl.utils import to_device
 
@@ -96,14 +97,20 @@ class RecurrentStatePool:
 # ---- its size at start-up: before the KV pages, from the same budget
 
 
+def rank_linear(mc: ModelConfig) -> LinearAttention:
+    """The linear layers' shape on this rank: its share of their heads, as the layers keep."""
+    assert mc.linear is not None
+    return mc.linear.rank_share(get_tp_info().size)
+
+
 def state_pool_bytes(shape: EngineShape) -> int:
-    """What a hybrid model's recurrent state pool takes: a slot for every page-table row
-    (0 for a model without linear layers)."""
+    """What a hybrid model's recurrent state pool takes on this rank: a slot for every
+    page-table row (0 for a model without linear layers)."""
     mc = shape.model_config
     if mc.linear is None:
         return 0
     linear_layers = mc.num_layers - len(attention_layers(mc))
-    per_slot = RecurrentStatePool.bytes_per_slot(linear_layers, mc.linear, shape.dtype)
+    per_slot = RecurrentStatePool.bytes_per_slot(linear_layers, rank_linear(mc), shape.dtype)
     return per_slot * (shape.config.max_running_req + 1)
 
 
@@ -120,12 +127,13 @@ def budget_after_states(shape: EngineShape, budget: int, per_page: int) -> int:
 
 
 def make_state_pool(shape: EngineShape, rows: int) -> RecurrentStatePool | None:
-    """Slot i for page-table row i, the last for the dummy request; its size logged."""
+    """Slot i for page-table row i, the last for the dummy request, each with this rank's
+    heads; its size logged."""
     mc = shape.model_config
     if mc.linear is None:
         return None
     linear_layers = mc.num_layers - len(attention_layers(mc))
-    pool = RecurrentStatePool(linear_layers, rows, mc.linear, shape.dtype, shape.device)
+    pool = RecurrentStatePool(linear_layers, rows, rank_linear(mc), shape.dtype, shape.device)
     logger.info(
         "recurrent state pool: %d linear layers x %d slots (%d requests + the dummy), "
         "%.1f MB a request, %.1f MB in all",

@@ -14,6 +14,12 @@ head and gated by SiLU(z) before the output projection. What a request carries f
 forward to the next is S (float32) and the conv's last three inputs: the state pool's slots
 (kvcache/state_pool.py), read through the forward context.
 
+Tensor parallelism cuts a layer by heads: a rank keeps a share of the key heads and of the
+value heads that read them (each rank the same ratio), so its slice of each of q, k and v,
+of the conv's channels, of z, b, a, A_log and dt_bias, and a state of its own heads alone;
+the gated norm (per head) is whole everywhere and out_proj adds the ranks' partial sums.
+Heads never mix until out_proj, so the recurrence runs on each rank as on one.
+
 This is the torch reference: one step per token, in float32. It is exact, not fast.
 """
 
@@ -24,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.core import get_global_ctx
+from minisgl.distributed import Split, get_tp_info
 from minisgl.layers.linear import Linear
+from minisgl.layers.parallel import mark_split
 from minisgl.models.families import LinearAttention
 
 
@@ -81,21 +89,27 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, shape: LinearAttention, eps: float, index: int) -> None:
+        """`shape`: the whole layer's; the layer keeps this rank's share of its heads."""
         super().__init__()
-        s = self.shape = shape
+        s = shape
+        self.shape = s.rank_share(get_tp_info().size)  # what forward sees: this rank's heads
         self.index = index  # its place among the linear layers: its layer of the state pool
-        value_dim = s.num_value_heads * s.value_head_dim
-        self.in_proj_qkv = Linear(hidden_size, s.conv_dim)
-        self.in_proj_z = Linear(hidden_size, value_dim)
-        self.in_proj_b = Linear(hidden_size, s.num_value_heads)
-        self.in_proj_a = Linear(hidden_size, s.num_value_heads)
-        self.conv1d = nn.Conv1d(
-            s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False
-        )
-        self.A_log = nn.Parameter(torch.empty(s.num_value_heads))
-        self.dt_bias = nn.Parameter(torch.empty(s.num_value_heads))
-        self.norm = GatedRMSNorm(s.value_head_dim, eps)
-        self.out_proj = Linear(value_dim, hidden_size)
+        key_dim, value_dim = s.num_key_heads * s.key_head_dim, s.num_value_heads * s.value_head_dim
+        qkv = Split.even(0, key_dim, key_dim, value_dim)  # each rank its slice of q, k and v
+        self.in_proj_qkv = Linear(hidden_size, s.conv_dim, split=qkv)
+        self.in_proj_z = Linear(hidden_size, value_dim, split=Split.even(0, value_dim))
+        heads = Split.even(0, s.num_value_heads)  # one number per value head
+        self.in_proj_b = Linear(hidden_size, s.num_value_heads, split=heads)
+        self.in_proj_a = Linear(hidden_size, s.num_value_heads, split=heads)
+        channels = qkv.local_size  # the conv is depthwise: its channels split as q, k, v do
+        self.conv1d = nn.Conv1d(channels, channels, s.conv_kernel, groups=channels, bias=False)
+        self.A_log = nn.Parameter(torch.empty(heads.local_size))
+        self.dt_bias = nn.Parameter(torch.empty(heads.local_size))
+        mark_split(qkv, self.conv1d.weight)
+        mark_split(heads, self.A_log)
+        mark_split(heads, self.dt_bias)
+        self.norm = GatedRMSNorm(s.value_head_dim, eps)  # per head: whole on every rank
+        self.out_proj = Linear(value_dim, hidden_size, split=Split.even(1, value_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()

@@ -19,7 +19,7 @@ Options we cannot honour fail here, at start-up, by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from minisgl.layers.rope_scaling import RopeScaling, parse_rope
@@ -75,6 +75,21 @@ class LinearAttention:
         """Channels the conv runs over: q, k and v side by side."""
         return (
             2 * self.num_key_heads * self.key_head_dim + self.num_value_heads * self.value_head_dim
+        )
+
+    def rank_share(self, tp_size: int) -> LinearAttention:
+        """One rank's share when the heads are cut over `tp_size` ranks: its key heads and the
+        value heads that read them (the ratio kept), so its conv channels, state and
+        projections are those of a layer with fewer heads."""
+        if self.num_key_heads % tp_size:
+            raise ValueError(
+                f"linear_num_key_heads {self.num_key_heads} is not divisible by {tp_size}: "
+                "the linear-attention heads cannot be cut over that many ranks"
+            )
+        return replace(
+            self,
+            num_key_heads=self.num_key_heads // tp_size,
+            num_value_heads=self.num_value_heads // tp_size,
         )
 
     @classmethod

@@ -13,9 +13,12 @@ The MLP is Llama's; Qwen3.5-MoE's is a mixture of experts beside a shared expert
 (`SharedExpertMoE`). Only the attention layers are in the KV pool: the k-th of them is the
 pool's layer k (`families.attention_layers`).
 
+Tensor parallelism cuts the attention by heads (each rank whole (query, gate) pairs), the
+linear layers by their key and value heads (layers/gated_deltanet.py), the MLPs as Llama's.
+
 What this model cannot run yet is refused by name: prefill graphs (engine/hybrid.py),
 prefix caching needs state snapshots (the engine runs it with the naive cache), speculative
-decoding and tensor parallelism are refused at start-up (engine/startup.py).
+decoding is refused at start-up (engine/hybrid.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from torch import nn
 
 from minisgl.core import get_global_ctx
+from minisgl.distributed import Split, rank_heads
 from minisgl.layers.attention import AttentionLayer
 from minisgl.layers.embedding import LMHead, VocabEmbedding
 from minisgl.layers.gated_deltanet import GatedDeltaNet
@@ -41,16 +45,23 @@ class GatedAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, kv_layer: int) -> None:
         super().__init__()
         c = config
-        self.q_size, self.kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        self.qkv_proj = Linear(c.hidden_size, 2 * self.q_size + 2 * self.kv_size, c.attention_bias)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        # q_proj's rows are (query, gate) per head: cut as twice the heads, a rank keeps whole
+        # pairs; the KV heads as Llama's (shared by neighbouring ranks when fewer than them).
+        split = Split.qkv(2 * c.num_heads, c.num_kv_heads, c.head_dim)
+        self.qkv_proj = Linear(
+            c.hidden_size, 2 * q_size + 2 * kv_size, c.attention_bias, split=split
+        )
+        heads, kv_heads = rank_heads(c.num_heads, c.num_kv_heads)  # this rank's share
+        self.q_size, self.kv_size = heads * c.head_dim, kv_heads * c.head_dim
         device = torch.empty(0).device  # where the model is being built
         rope = get_rope(
             c.head_dim, c.rope_theta, c.max_position_embeddings, device, layer_rope(c, layer_id)
         )
-        self.attn = AttentionLayer(kv_layer, c.num_heads, c.num_kv_heads, c.head_dim, rope)
+        self.attn = AttentionLayer(kv_layer, heads, kv_heads, c.head_dim, rope)
         self.attn.q_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
         self.attn.k_norm = GemmaRMSNorm(c.head_dim, c.rms_norm_eps)
-        self.o_proj = Linear(self.q_size, c.hidden_size)
+        self.o_proj = Linear(q_size, c.hidden_size, split=Split.even(1, q_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q_gate, kv = self.qkv_proj(x).split([2 * self.q_size, 2 * self.kv_size], dim=-1)
@@ -61,7 +72,8 @@ class GatedAttention(nn.Module):
 
 class SharedExpertMoE(MoEBlock):
     """The routed experts plus one MLP that every token passes through, its output scaled
-    per token by sigmoid(shared_expert_gate(x))."""
+    per token by sigmoid(shared_expert_gate(x)). Over several ranks the shared MLP is cut as
+    any MLP is, and its gate (one output) is whole on every rank."""
 
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__(hidden_size, moe)

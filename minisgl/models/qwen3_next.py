@@ -7,7 +7,9 @@ then the v rows and the z rows of the value heads that share it; `in_proj_ba` ho
 head, the b rows then the a rows of those value heads. Value head g * r + i (r value heads per
 key head) is the i-th of group g, so regrouping the rows by kind gives Qwen3.5's
 in_proj_{qkv, z, b, a} exactly, with the same head order: the layer is loaded fused and
-split once after loading (`after_load`), and runs as Qwen3.5's.
+split once after loading (`after_load`), and runs as Qwen3.5's. Grouped by key head, the
+rows of a tensor-parallel rank's key heads (and of the value heads that share them) lie
+together: each rank reads one run of rows of each fused tensor and regroups its own.
 
 Its config.json may leave `layer_types` out: every `full_attention_interval`-th layer
 attends (`families.qwen3_next_defaults`). Norms scale by (1 + w) but the gated one, RoPE
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minisgl.distributed import Split
 from minisgl.layers.gated_deltanet import GatedDeltaNet
 from minisgl.layers.linear import Linear
 from minisgl.models.families import LinearAttention
@@ -31,14 +34,17 @@ class FusedProjGatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, hidden_size: int, shape: LinearAttention, eps: float, index: int) -> None:
         super().__init__(hidden_size, shape, eps, index)
-        s = shape
+        s = shape  # the whole layer's: the checkpoint's rows
         del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
-        value_dim = s.num_value_heads * s.value_head_dim
-        self.in_proj_qkvz = Linear(hidden_size, s.conv_dim + value_dim)
-        self.in_proj_ba = Linear(hidden_size, 2 * s.num_value_heads)
+        rows = s.conv_dim + s.num_value_heads * s.value_head_dim
+        # Grouped by key head, a rank's heads are one run of rows: an even cut of each.
+        self.in_proj_qkvz = Linear(hidden_size, rows, split=Split.even(0, rows))
+        ba = Split.even(0, 2 * s.num_value_heads)
+        self.in_proj_ba = Linear(hidden_size, 2 * s.num_value_heads, split=ba)
 
     def after_load(self) -> None:
-        """Regroup the fused rows into Qwen3.5's four projections (see the module's doc)."""
+        """Regroup the fused rows into Qwen3.5's four projections (see the module's doc): this
+        rank's, whose key heads are the groups it loaded."""
         s = self.shape
         r = s.num_value_heads // s.num_key_heads  # value heads per key head
         qkvz = self.in_proj_qkvz.weight.data
