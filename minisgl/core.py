@@ -140,6 +140,7 @@ class Batch:
         # in the token pool, as a flat index (row * width + position)
         self.attn_metadata: BaseAttnMetadata
         self.state_slots: torch.Tensor  # [padded size] int64: recurrent-state slots  # [ch29]
+        self.state_offsets: torch.Tensor  # [padded size + 1] int64: where tokens start  # [ch29]
         # >>> ch25 prefill: the tokens the LM head projects, when not just each request's last
         self.logit_rows: torch.Tensor | None = None
         # <<< ch25

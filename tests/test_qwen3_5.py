@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -253,19 +254,19 @@ def test_published_configs_parse_and_size(tmp_path: Path, name: str, state_mb: i
 # ---- decode graphs: the state slots go through the graphs' static buffer -----------------
 
 
-def graph_run(llm: LLM) -> tuple[list[list[int]], list[str]]:
+def graph_run(llm: LLM, params: SamplingParams = PARAMS) -> tuple[list[list[int]], list[str]]:
     """The greedy tokens of the three prompts together, and each replay's batch size and
     the size it padded to."""
     runner, log = llm.engine.graph_runner, []
     replay = type(runner).replay
 
     def logged(batch):
-        log.append(f"{batch.size}->{batch.padded_size}")
+        log.append(f"{batch.phase} {batch.size}->{batch.padded_size}")
         return replay(runner, batch)
 
     runner.replay = logged
     try:
-        out = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        out = llm.generate(PROMPTS, params, use_tqdm=False)
     finally:
         del runner.replay
     return [o["token_ids"] for o in out], log
@@ -282,7 +283,7 @@ def test_decode_graphs_replay_as_eager(folders, alone) -> None:
     assert buffer is not None and buffer.tolist() == [llm.engine.dummy_req.table_idx] * 4
     got, log = graph_run(llm)
     llm.shutdown()
-    assert "3->4" in log and len(log) >= PARAMS.max_tokens - 1
+    assert "decode 3->4" in log and len(log) >= PARAMS.max_tokens - 1
     assert got == alone
 
 
@@ -334,3 +335,55 @@ def test_a_state_slot_that_bypasses_the_buffer_breaks_replay(folders, alone, mon
     got, log = graph_run(llm)
     llm.shutdown()
     assert log and got != alone
+
+
+# ---- our Triton kernels (in the interpreter on a CPU): prefill graphs may then run --------
+
+triton_only = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+
+# Emulated graphs (the interpreter is slow: few of them, few tokens): decode graphs of 4
+# requests, prefill graphs (attention in them too) of 48 tokens: the three prompts (40
+# tokens) and a filler of 8 in the dummy slot.
+KERNEL_GRAPHS: dict[str, Any] = dict(cuda_graph_bs=[4], prefill_graph="full",
+                                     prefill_graph_tokens=[48])  # fmt: skip
+THREE = SamplingParams(max_tokens=3, ignore_eos=True)
+
+
+@triton_only
+def test_kernels_replay_prefill_and_decode_graphs_as_eager(folders, alone, monkeypatch) -> None:
+    """With our kernels the linear layers read every length and slot from the graphs'
+    buffers, so a hybrid captures prefill graphs too; three prompts of 5, 13 and 22 tokens,
+    prefilled together and padded (a filler and empty requests in the dummy slot), and
+    decoded in graphs, give the tokens each gets alone on the torch path."""
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
+    llm = LLM(str(folders["mm"]), **KERNEL_GRAPHS, **SERVE)
+    assert llm.engine.state_pool.kernels == "triton"
+    assert llm.engine.graph_runner.graphs("prefill")
+    got, log = graph_run(llm, THREE)
+    llm.shutdown()
+    assert "prefill 3->4" in log and "decode 3->4" in log
+    assert got == [a[:3] for a in alone]
+
+
+@triton_only
+def test_token_offsets_that_bypass_the_buffer_break_prefill_replay(folders, alone, monkeypatch):
+    """If the copy before replay leaves the token offsets out, a prefill graph reads those
+    it was captured with (every request empty): the tokens change."""
+    copy_from = GraphCaptureBuffer.copy_from
+
+    def forgetful(self: GraphCaptureBuffer, batch) -> None:
+        offsets, self.state_offsets = self.state_offsets, self.state_offsets.clone()
+        try:
+            copy_from(self, batch)
+        finally:
+            self.state_offsets = offsets
+
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
+    monkeypatch.setattr(GraphCaptureBuffer, "copy_from", forgetful)
+    llm = LLM(str(folders["mm"]), **KERNEL_GRAPHS, **SERVE)
+    got, log = graph_run(llm, THREE)
+    llm.shutdown()
+    assert "prefill 3->4" in log and got != [a[:3] for a in alone]

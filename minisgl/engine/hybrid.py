@@ -9,9 +9,11 @@ with KV pages) cannot do yet, refused or turned off by name at start-up.
 - A radix-cache hit skips the prefix's forward, so its recurrent state would never be
   computed: without state snapshots the prefix cache is wrong. The scheduler runs a hybrid
   model with the naive cache (`prefix_cache`) and says so.
-- Graphs: decode graphs run, their state slots in the graphs' static buffers (engine/graph.py);
-  prefill and verify graphs are off (`graph_blocker`): the linear layers' prefill path
-  splits the batch by request on the host, so a graph would keep the capture's split.
+- Graphs: decode graphs run, their state slots in the graphs' static buffers (engine/graph.py).
+  Prefill and verify graphs (`graph_blocker`) run only on our Triton kernels
+  (MINISGL_GATED_DELTA=triton), which read each request's slot and token offsets from those
+  buffers: the torch path pads a prefill's requests to the longest, a shape it reads on the
+  host, so a graph would replay the lengths it was captured with.
 
 No torch here: the command line checks the options in the API server's process.
 """
@@ -22,6 +24,8 @@ import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from minisgl.env import ENV
 
 if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
@@ -60,12 +64,14 @@ def check_hybrid(config: Any) -> None:
 
 def graph_blocker(model_config: ModelConfig) -> str | None:
     """Why a model's prefill and verify graphs are off (None: they may run): a hybrid's
-    linear layers loop over a prefill's requests on the host."""
-    if model_config.linear is None:
+    linear layers on the torch path pad a prefill's requests by lengths read on the host.
+    Our kernels read them on the device, from the graphs' buffers."""
+    if model_config.linear is None or ENV.GATED_DELTA.value == "triton":
         return None
     return (
-        "the linear-attention layers' prefill path loops over requests on the host, "
-        "so a graph would replay the lengths it was captured with"
+        "the linear-attention layers' torch path pads a prefill's requests by their lengths "
+        "on the host, so a graph would replay the lengths it was captured with "
+        "(MINISGL_GATED_DELTA=triton reads them on the device)"
     )
 
 

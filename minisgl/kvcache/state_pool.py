@@ -13,17 +13,25 @@ request's, where padding writes. Nothing is allocated or freed per request: a re
 its row, so it owns the slot. A request's slot is zeroed when its first forward starts
 (`cached_len == 0`); a later chunk of its prompt, or a decode step, reads what the previous
 forward left there.
+
+Before each forward the pool puts on the batch, on the device, each request's slot and
+where its tokens start in the batch (`state_slots`, `state_offsets`): the layers read
+them there, and graphs copy them into their static buffers. The pool also says which
+kernels advance its states (`kernels`: MINISGL_GATED_DELTA, read once, here).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from minisgl.core import Batch, Req
 from minisgl.distributed import get_tp_info
+from minisgl.env import ENV
 from minisgl.models.families import LinearAttention, attention_layers
 from minisgl.utils import to_device
 
@@ -54,6 +62,7 @@ class RecurrentStatePool:
     ) -> None:
         s = shape
         self.num_slots, self.device = num_slots, device
+        self.kernels = gated_delta_kernels(device)
         self.conv = torch.zeros(
             (num_layers, num_slots, s.conv_dim, s.conv_kernel - 1), dtype=conv_dtype, device=device
         )
@@ -75,23 +84,43 @@ class RecurrentStatePool:
         return num_layers * (conv + ssm)
 
     def prepare(self, batch: Batch) -> None:
-        """`batch.state_slots`: each (padded) request's slot on the device; the slots of
+        """`batch.state_slots` and `batch.state_offsets`: each (padded) request's slot and
+        where its tokens start, then the end, on the device in one copy; the slots of
         requests whose first forward this is are zeroed."""
         reqs = batch.padded_reqs
         slots = [r.table_idx for r in reqs]
-        batch.state_slots = to_device(slots, self.device, torch.int64)
+        offsets = list(accumulate((r.extend_len for r in reqs), initial=0))
+        batch.state_slots, batch.state_offsets = to_device(
+            slots + offsets, self.device, torch.int64
+        ).split([len(slots), len(offsets)])
         fresh = [r.table_idx for r in reqs if r.cached_len == 0]
         if fresh:
             index = to_device(fresh, self.device, torch.int64)
             self.conv.index_fill_(1, index, 0)
             self.ssm.index_fill_(1, index, 0)
 
-    def graph_slots(self, num_reqs: int, dummy_req: Req) -> torch.Tensor:
-        """The graphs' static buffer of state slots (engine/graph.py), for `num_reqs` requests:
-        a capture batch's `state_slots` is a view of it, and before each replay it takes the
-        live batch's. It starts as the dummy request's slot, which padding rows keep, so a
-        padding row writes only the dummy's state, never a live request's."""
-        return torch.full((num_reqs,), dummy_req.table_idx, dtype=torch.int64, device=self.device)
+    def graph_buffers(self, num_reqs: int, dummy_req: Req) -> tuple[torch.Tensor, torch.Tensor]:
+        """The graphs' static buffers of state slots and token offsets (engine/graph.py), for
+        `num_reqs` requests: a capture batch's `state_slots` and `state_offsets` are views of
+        them, and before each replay they take the live batch's. The slots start as the
+        dummy request's, which padding rows keep, so a padding row writes only the dummy's
+        state, never a live request's. The offsets start at 0: at capture every request is
+        empty, and the kernels that read them change no state."""
+        slots = torch.full((num_reqs,), dummy_req.table_idx, dtype=torch.int64, device=self.device)
+        return slots, torch.zeros(num_reqs + 1, dtype=torch.int64, device=self.device)
+
+
+def gated_delta_kernels(device: torch.device) -> str:
+    """What advances the states: "torch" (the layer's reference, the default) or "triton"
+    (kernels/gated_delta.py), as MINISGL_GATED_DELTA says. Ours become the default on CUDA
+    only once measured there (tools/bench_gated_delta.py)."""
+    choice = ENV.GATED_DELTA.value
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"MINISGL_GATED_DELTA=triton runs Triton kernels, which need a CUDA device (this "
+            f"engine is on {device.type}) or Triton's interpreter (TRITON_INTERPRET=1)"
+        )
+    return choice
 
 
 # ---- its size at start-up: before the KV pages, from the same budget

@@ -20,7 +20,15 @@ of the conv's channels, of z, b, a, A_log and dt_bias, and a state of its own he
 the gated norm (per head) is whole everywhere and out_proj adds the ranks' partial sums.
 Heads never mix until out_proj, so the recurrence runs on each rank as on one.
 
-This is the torch reference: one step per token, in float32. It is exact, not fast.
+Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA):
+- torch, the reference and the default: a batch's requests are right-padded into one
+  [requests, longest, ...] block (padding has beta = 0 and g = 0, so it leaves the state as
+  it was), and a prefill runs the delta rule a chunk of 64 tokens at a time
+  (`chunk_delta_rule`); `delta_rule` is the same rule one token at a time, in plain words.
+  The padding's shape is read from the requests' lengths on the host;
+- triton (kernels/gated_delta.py): one kernel for a decode step, and for a prefill a conv
+  and a recurrence that read every length and slot from device tensors, so a CUDA graph
+  of a prefill replays correctly for any lengths.
 """
 
 from __future__ import annotations
@@ -29,11 +37,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.core import get_global_ctx
+from minisgl.core import Batch, get_global_ctx
 from minisgl.distributed import Split, get_tp_info
+from minisgl.kernels import gated_delta
 from minisgl.layers.linear import Linear
 from minisgl.layers.parallel import mark_split
 from minisgl.models.families import LinearAttention
+
+CHUNK = 64  # tokens the chunked delta rule solves at once
 
 
 class GatedRMSNorm(nn.Module):
@@ -52,14 +63,18 @@ class GatedRMSNorm(nn.Module):
 
 
 def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, lengths: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU of the causal depthwise conv of x [B, T, C] after the state [B, C, K - 1] (the
-    inputs before it); (output [B, T, C], the new state: the last K - 1 inputs)."""
+    inputs before it); (output [B, T, C], the new state: the last K - 1 inputs). Rows padded
+    on the right give `lengths` [B]: the new state is then the last K - 1 real inputs."""
     width = weight.size(-1)
     xs = torch.cat([state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
-    y = F.conv1d(xs, weight.unsqueeze(1), groups=xs.size(1))  # [B, C, T]
-    return F.silu(y).transpose(1, 2), xs[..., xs.size(-1) - (width - 1) :]
+    y = F.silu(F.conv1d(xs, weight.unsqueeze(1), groups=xs.size(1))).transpose(1, 2)
+    if lengths is None:
+        return y, xs[..., xs.size(-1) - (width - 1) :]
+    last = lengths[:, None] + torch.arange(width - 1, device=x.device)  # [B, K - 1] in xs
+    return y, xs.gather(2, last[:, None, :].expand(-1, xs.size(1), -1))
 
 
 def delta_rule(
@@ -83,8 +98,70 @@ def delta_rule(
     return out, state
 
 
+def chunk_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`delta_rule`'s result (same arguments), `chunk` tokens at a time, mostly in matmuls.
+
+    Within a chunk, let c_t be the sum of g from its first token to t (so exp(c_t) is how
+    much of the chunk's starting state S0 is left at t) and d_t = beta_t (v_t - k_t^T
+    exp(g_t) S_{t-1}) the change token t writes. Unrolling the rule,
+
+        S_t = exp(c_t) S0 + sum_{j<=t} exp(c_t - c_j) k_j d_j^T,
+
+    and putting that into d_t gives, for the chunk's d at once, a triangular system
+    (I + A) d = beta (v - exp(c) k S0) with A[t, j] = beta_t exp(c_t - c_j) k_t.k_j, j < t.
+    Solved for v and for k separately, d = U - W S0, where U and W do not depend on S0:
+    every chunk's are solved in parallel; then only a few matmuls per chunk carry the state
+    from one chunk to the next. Padding (g = 0, beta = 0) changes nothing: its d is 0.
+    """
+    B, T, H, dk = k.shape
+    dv = v.size(-1)
+    chunk = min(chunk, T)
+    pad = -T % chunk
+
+    def blocks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, ...] -> [B, H, chunks, chunk, ...]
+        x = F.pad(x.transpose(1, 2), [0, 0] * (x.dim() - 3) + [0, pad])
+        return x.reshape(B, H, -1, chunk, *x.shape[3:])
+
+    q, k, v, g, beta = (blocks(x) for x in (q, k, v, g, beta))
+    c = g.cumsum(-1)  # [B, H, chunks, chunk]
+    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (c[..., :, None] - c[..., None, :]).masked_fill(later, float("-inf")).exp()
+    a = (beta[..., None] * decay * (k @ k.transpose(-1, -2))).tril(-1)
+    rhs = beta[..., None] * torch.cat([v, c.exp()[..., None] * k], dim=-1)
+    # unitriangular: the solver takes the diagonal as ones, so `a` stands for I + A
+    u, w = torch.linalg.solve_triangular(a, rhs, upper=False, unitriangular=True).split(
+        [dv, dk], dim=-1
+    )
+    scores = (q @ k.transpose(-1, -2)) * decay  # within the chunk, each key decayed to t
+    q_start = q * c.exp()[..., None]  # queries read what is left of S0
+    k_end = k * (c[..., -1:] - c).exp()[..., None]  # keys decayed to the chunk's end
+    out = torch.empty_like(v)
+    for i in range(q.size(2)):
+        d = u[:, :, i] - w[:, :, i] @ state
+        out[:, :, i] = q_start[:, :, i] @ state + scores[:, :, i] @ d
+        state = state * c[:, :, i, -1, None, None].exp() + k_end[:, :, i].transpose(-1, -2) @ d
+    return out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), state
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1e-6)
+
+
+def padded_places(offsets: torch.Tensor, width: int, num_tokens: int) -> torch.Tensor:
+    """Where each of a batch's packed tokens goes when every request is right-padded to
+    `width` tokens: request i's j-th token to row i * width + j (offsets [B + 1]: where each
+    request's tokens start). On the device, without waiting for it."""
+    t = torch.arange(num_tokens, device=offsets.device)
+    req = torch.searchsorted(offsets[1:], t, right=True)
+    return req * width + t - offsets[req]
 
 
 class GatedDeltaNet(nn.Module):
@@ -114,41 +191,54 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
         batch, pool = ctx.batch, ctx.state_pool
-        s = self.shape
-        qkv = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        conv, ssm = pool.conv[self.index], pool.ssm[self.index]  # [slots, ...] each
-        lengths = [r.extend_len for r in batch.padded_reqs]
-        if max(lengths) == 1:  # a decode step: every request at once
-            groups = [(batch.state_slots, 0, len(lengths), 1)]
-        else:  # a prefill: request by request
-            starts = [sum(lengths[:i]) for i in range(len(lengths))]
-            groups = [
-                (batch.state_slots[i : i + 1], starts[i], 1, n) for i, n in enumerate(lengths)
-            ]
-        out = x.new_empty(x.size(0), s.num_value_heads, s.value_head_dim)
-        weight = self.conv1d.weight.squeeze(1)
-        for slots, start, reqs, n in groups:
-            rows = slice(start, start + reqs * n)
-            mixed, conv_after = causal_conv(qkv[rows].view(reqs, n, -1), conv[slots], weight)
-            o, ssm_after = self._recur(mixed, g[rows], beta[rows], ssm[slots], reqs, n)
-            conv[slots], ssm[slots] = conv_after.to(conv.dtype), ssm_after
-            out[rows] = o.reshape(reqs * n, s.num_value_heads, s.value_head_dim).to(x.dtype)
-        out = self.norm(out, z.view_as(out))
+        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        if pool.kernels == "triton":
+            out = self._kernels(qkv, z, b, a, batch, pool)
+        else:
+            out = self._reference(qkv, z, b, a, batch, pool)
         return self.out_proj(out.flatten(1))
+
+    def _reference(
+        self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+        batch: Batch, pool,
+    ) -> torch.Tensor:  # fmt: skip
+        """The torch path: every request at once, right-padded to the longest."""
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        conv, ssm = pool.conv[self.index], pool.ssm[self.index]  # [slots, ...] each
+        slots, reqs = batch.state_slots, batch.padded_size
+        longest = max(r.extend_len for r in batch.padded_reqs)
+        if longest == 1:  # a decode step: one token each, nothing to pad
+            lengths, places = None, None
+        else:
+            lengths = batch.state_offsets.diff()
+            places = padded_places(batch.state_offsets, longest, qkv.size(0))
+
+        def padded(t: torch.Tensor) -> torch.Tensor:  # [T, ...] -> [reqs, longest, ...]
+            if places is None:
+                return t[:, None]
+            out = t.new_zeros(reqs * longest, *t.shape[1:])
+            return out.index_copy_(0, places, t).view(reqs, longest, *t.shape[1:])
+
+        weight = self.conv1d.weight.squeeze(1)
+        mixed, conv_after = causal_conv(padded(qkv), conv[slots], weight, lengths)
+        o, ssm_after = self._recur(mixed, padded(g), padded(beta), ssm[slots])
+        conv[slots], ssm[slots] = conv_after.to(conv.dtype), ssm_after
+        o = o.flatten(0, 1)
+        o = o if places is None else o.index_select(0, places)
+        o = o.to(qkv.dtype)
+        return self.norm(o, z.view_as(o))
 
     def _recur(
         self,
         mixed: torch.Tensor,  # [B, T, conv_dim]: q, k, v after the conv
-        g: torch.Tensor,
+        g: torch.Tensor,  # [B, T, value heads]
         beta: torch.Tensor,
         state: torch.Tensor,
-        reqs: int,
-        n: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape
+        reqs, n = mixed.shape[:2]
         key_dim = s.num_key_heads * s.key_head_dim
         q, k, v = mixed.float().split([key_dim, key_dim, mixed.size(-1) - 2 * key_dim], dim=-1)
         per_key = s.num_value_heads // s.num_key_heads  # value heads that share a q/k head
@@ -159,5 +249,25 @@ class GatedDeltaNet(nn.Module):
             for t in (q, k)
         )
         v = v.reshape(reqs, n, s.num_value_heads, s.value_head_dim)
-        g, beta = g.view(reqs, n, -1), beta.view(reqs, n, -1)
-        return delta_rule(q * s.key_head_dim**-0.5, k, v, g, beta, state)
+        rule = delta_rule if n == 1 else chunk_delta_rule
+        return rule(q * s.key_head_dim**-0.5, k, v, g, beta, state)
+
+    def _kernels(
+        self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+        batch: Batch, pool,
+    ) -> torch.Tensor:  # fmt: skip
+        """Our Triton kernels: a decode step in one; a prefill (or verify) step as a conv and
+        a recurrence over each request's tokens, lengths read on the device."""
+        conv, ssm = pool.conv[self.index], pool.ssm[self.index]
+        weight = self.conv1d.weight.squeeze(1)
+        if batch.is_decode:
+            return gated_delta.decode_step(
+                qkv, z, a, b, self.A_log, self.dt_bias, weight, self.norm.weight,
+                self.norm.eps, conv, ssm, batch.state_slots, self.shape,
+            )  # fmt: skip
+        slots, offsets = batch.state_slots, batch.state_offsets
+        mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
+        o = gated_delta.recurrent_varlen(
+            mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape
+        ).to(qkv.dtype)
+        return self.norm(o, z.view_as(o))

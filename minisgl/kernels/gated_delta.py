@@ -1,0 +1,332 @@
+"""Gated DeltaNet in Triton: a decode step in one kernel, a prefill as a conv and a recurrence.
+
+The torch reference (layers/gated_deltanet.py) spends a decode step of one linear layer in
+about twenty small ops: the conv state is gathered, shifted and scattered back, q and k are
+normalised, the gates computed, the state of every request gathered from its slot, decayed,
+updated, read and scattered back, and the output normalised and gated. Each op reads and
+writes its whole input, and the state (value heads x 128 x 128 floats a request: 1 MB for
+Qwen3.5-0.8B's 16 heads, 2 MB for 9B's 32) makes the trip several times. Here a decode step
+is one kernel that reads each state once and writes it once, in place, in its slot.
+
+Decode: one program per (request, key head). It owns the conv channels of its q and k head
+and of the value heads that share them, so it alone shifts their conv state: no other
+program reads a channel it writes. Then, for each of those value heads, the state [dk, dv]
+sits in registers for one update, and the gated RMSNorm of the head's output follows.
+
+Prefill (and verify): lengths differ per request, and a CUDA graph must not bake them in,
+so every kernel reads where each request's tokens start (`offsets` [requests + 1]) and its
+slot from device tensors:
+- the conv, one program per block of tokens and channels: each token finds its request
+  among the offsets, and reads the inputs before the request's first token from its slot's
+  conv state;
+- the conv state's update, one program per (request, block of channels), after the conv
+  has read the old one: the last K - 1 inputs of each request;
+- the recurrence, one program per (request, value head, block of value channels): it walks
+  the request's tokens one by one with its block of the state in registers, in float32,
+  from the slot's state to the slot's state. One token at a time: simple and exact, but
+  a long prompt is one long walk; a chunked kernel (the chunk form of the torch path)
+  would be faster on a GPU and is not written yet.
+
+A request with no tokens (a prefill graph's empty slots) changes nothing; padding requests
+write only the dummy request's slot.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.models.families import LinearAttention
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _gates(A, Bp, ALog, DtBias, row, head, stride_a, stride_b):
+    """The decay's log g <= 0 and the write strength beta of one token and value head."""
+    x = tl.load(A + row * stride_a + head).to(tl.float32) + tl.load(DtBias + head).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+    g = -tl.exp(tl.load(ALog + head).to(tl.float32)) * softplus
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(Bp + row * stride_b + head).to(tl.float32)))
+    return g, beta
+
+
+@triton.jit
+def _l2normed(x):
+    return x / tl.sqrt(tl.sum(x * x, axis=0) + 1e-6)  # the reference's epsilon
+
+
+@triton.jit
+def _delta_step(S, q, k, v, g, beta):
+    """One token of the gated delta rule on a block of the state S [dk, block of dv]."""
+    S = S * tl.exp(g)
+    d = (v - tl.sum(S * k[:, None], axis=0)) * beta  # v minus what S holds under k
+    S = S + k[:, None] * d[None, :]
+    return S, tl.sum(S * q[:, None], axis=0)
+
+
+@triton.jit
+def _conv_window(X, W, State, stride_c, chans, mask, taps, WIDTH: tl.constexpr):
+    """The conv of one token over `chans`: (its SiLU output, the window of inputs [chans,
+    taps]: the state's K - 1, then the token's)."""
+    earlier = taps[None, :] < WIDTH - 1
+    st = tl.load(
+        State + chans[:, None] * stride_c + taps[None, :], mask=mask[:, None] & earlier, other=0.0
+    )
+    x = tl.load(X + chans, mask=mask, other=0.0)
+    window = tl.where(taps[None, :] == WIDTH - 1, x[:, None], st)
+    in_w = mask[:, None] & (taps[None, :] < WIDTH)
+    w = tl.load(W + chans[:, None] * WIDTH + taps[None, :], mask=in_w, other=0.0)
+    return _silu(tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)), window
+
+
+@triton.jit
+def _shift_in(State, stride_c, chans, mask, taps, window, WIDTH: tl.constexpr):
+    """The new conv state: the window's last K - 1 inputs (tap j goes to j - 1)."""
+    keep = mask[:, None] & (taps[None, :] >= 1) & (taps[None, :] < WIDTH)
+    tl.store(State + chans[:, None] * stride_c + taps[None, :] - 1, window, mask=keep)
+
+
+@triton.jit
+def _decode_kernel(
+    QKV, Z, A, Bp, ALog, DtBias, ConvW, NormW, ConvState, SSM, Slots, Out,
+    eps, scale,
+    stride_qkv, stride_z, stride_a, stride_b, stride_out,
+    stride_cs, stride_cc, stride_ss, stride_sh,
+    KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    row, h = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(Slots + row).to(tl.int64)
+    x = QKV + row * stride_qkv
+    conv = ConvState + slot * stride_cs
+    taps = tl.arange(0, BLOCK_W)
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    offs_v = tl.arange(0, BLOCK_DV)
+    mv = offs_v < DV
+    q_chans, k_chans = h * DK + offs_k, KEY_DIM + h * DK + offs_k
+    q, q_window = _conv_window(x, ConvW, conv, stride_cc, q_chans, mk, taps, WIDTH)
+    k, k_window = _conv_window(x, ConvW, conv, stride_cc, k_chans, mk, taps, WIDTH)
+    q = _l2normed(q) * scale
+    k = _l2normed(k)
+    norm_w = tl.load(NormW + offs_v, mask=mv, other=0.0).to(tl.float32)
+    smask = mk[:, None] & mv[None, :]
+    for i in range(PER_KEY):  # the value heads that share this q/k head
+        hv = h * PER_KEY + i
+        v_chans = 2 * KEY_DIM + hv * DV + offs_v
+        v, v_window = _conv_window(x, ConvW, conv, stride_cc, v_chans, mv, taps, WIDTH)
+        g, beta = _gates(A, Bp, ALog, DtBias, row, hv, stride_a, stride_b)
+        s_ptrs = SSM + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
+        S = tl.load(s_ptrs, mask=smask, other=0.0)
+        S, o = _delta_step(S, q, k, v, g, beta)
+        tl.store(s_ptrs, S, mask=smask)
+        # the gated RMSNorm: o normalised over the head, times its weight and SiLU(z)
+        z = tl.load(Z + row * stride_z + hv * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+        o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * norm_w * _silu(z)
+        tl.store(Out + row * stride_out + hv * DV + offs_v, o, mask=mv)
+        tl.debug_barrier()  # every thread has read this head's conv state before it shifts
+        _shift_in(conv, stride_cc, v_chans, mv, taps, v_window, WIDTH)
+    _shift_in(conv, stride_cc, q_chans, mk, taps, q_window, WIDTH)
+    _shift_in(conv, stride_cc, k_chans, mk, taps, k_window, WIDTH)
+
+
+def decode_step(
+    qkv: torch.Tensor,  # [B, conv_dim]: the token's q, k and v before the conv
+    z: torch.Tensor,  # [B, value heads * dv]: the output gate
+    a: torch.Tensor,  # [B, value heads]: the decay's input
+    b: torch.Tensor,  # [B, value heads]: beta's input
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    conv_weight: torch.Tensor,  # [conv_dim, K]
+    norm_weight: torch.Tensor,  # [dv]
+    eps: float,
+    conv_state: torch.Tensor,  # [slots, conv_dim, K - 1]: one layer's, updated in place
+    ssm_state: torch.Tensor,  # [slots, value heads, dk, dv] float32, updated in place
+    slots: torch.Tensor,  # [B]: each request's slot
+    shape: LinearAttention,
+) -> torch.Tensor:
+    """One decode token per request through a linear layer, up to its output projection:
+    the gated, normalised output [B, value heads, dv] in qkv's dtype."""
+    s = shape
+    _check(qkv, conv_weight, conv_state, ssm_state, s)
+    reqs = qkv.size(0)
+    out = torch.empty(reqs, s.num_value_heads, s.value_head_dim, dtype=qkv.dtype, device=qkv.device)
+    dk, dv = s.key_head_dim, s.value_head_dim
+    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    _decode_kernel[(reqs, s.num_key_heads)](
+        qkv, z, a, b, A_log, dt_bias, conv_weight, norm_weight, conv_state, ssm_state, slots,
+        out, eps, dk**-0.5,
+        qkv.stride(0), z.stride(0), a.stride(0), b.stride(0), out.stride(0),
+        conv_state.stride(0), conv_state.stride(1), ssm_state.stride(0), ssm_state.stride(1),
+        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
+        PER_KEY=s.num_value_heads // s.num_key_heads, WIDTH=s.conv_kernel,
+        BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_W=triton.next_power_of_2(s.conv_kernel),
+        num_warps=8 if block_dk * block_dv >= 128 * 64 else 4,
+    )  # fmt: skip
+    return out
+
+
+# ---- prefill: lengths and slots from device tensors
+
+
+@triton.jit
+def _conv_varlen_kernel(
+    X, W, ConvState, Slots, Offsets, Y,
+    num_reqs, num_tokens, channels,
+    stride_x, stride_y, stride_cs, stride_cc,
+    WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mc = c < channels
+    # Each token's request: how many requests end at or before it.
+    r = tl.arange(0, BLOCK_R)
+    ends = tl.load(Offsets + 1 + r, mask=r < num_reqs, other=num_tokens)
+    req = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    live = (t < num_tokens) & (req < num_reqs)  # past the last request: no one's token
+    start = tl.load(Offsets + req, mask=live, other=0)
+    slot = tl.load(Slots + req, mask=live, other=0).to(tl.int64)
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(WIDTH):
+        src = t - (WIDTH - 1) + j  # the input this tap reads
+        inside = (src >= start)[:, None]  # else it is before the request: in its conv state
+        m = live[:, None] & mc[None, :]
+        xv = tl.load(X + src[:, None] * stride_x + c[None, :], mask=m & inside, other=0.0)
+        at = slot[:, None] * stride_cs + c[None, :] * stride_cc + (WIDTH - 1 + src - start)[:, None]
+        sv = tl.load(ConvState + at, mask=m & ~inside, other=0.0)
+        w = tl.load(W + c * WIDTH + j, mask=mc, other=0.0).to(tl.float32)
+        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
+    tl.store(Y + t[:, None] * stride_y + c[None, :], _silu(acc), mask=live[:, None] & mc[None, :])
+
+
+@triton.jit
+def _conv_state_kernel(
+    X, ConvState, Slots, Offsets,
+    channels, stride_x, stride_cs, stride_cc,
+    WIDTH: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start = tl.load(Offsets + r)
+    n = tl.load(Offsets + r + 1) - start
+    conv = ConvState + tl.load(Slots + r).to(tl.int64) * stride_cs
+    j = tl.arange(0, BLOCK_W)
+    keep = (c < channels)[:, None] & ((j < WIDTH - 1) & (n + 0 * j > 0))[None, :]  # a vector:
+    # the interpreter takes no scalar in a mask
+    idx = n + j  # new state j is element n + j of (old state, the request's inputs)
+    from_x = (idx >= WIDTH - 1)[None, :]
+    token = start + idx - (WIDTH - 1)
+    xv = tl.load(X + token[None, :] * stride_x + c[:, None], mask=keep & from_x, other=0.0)
+    sv = tl.load(conv + c[:, None] * stride_cc + idx[None, :], mask=keep & ~from_x, other=0.0)
+    tl.debug_barrier()  # every thread has read the old state before any writes it
+    tl.store(conv + c[:, None] * stride_cc + j[None, :], tl.where(from_x, xv, sv), mask=keep)
+
+
+def conv_varlen(
+    qkv: torch.Tensor,  # [T, conv_dim]: the packed tokens of every request
+    conv_weight: torch.Tensor,  # [conv_dim, K]
+    conv_state: torch.Tensor,  # [slots, conv_dim, K - 1]: one layer's, updated in place
+    slots: torch.Tensor,  # [B]
+    offsets: torch.Tensor,  # [B + 1]: where each request's tokens start, then the end
+) -> torch.Tensor:
+    """SiLU of the causal conv of each request's tokens after its slot's conv state, [T,
+    conv_dim] in qkv's dtype; each slot then holds its request's last K - 1 inputs."""
+    tokens, channels = qkv.shape
+    width, reqs = conv_weight.size(-1), slots.size(0)
+    assert qkv.stride(1) == 1 and conv_weight.is_contiguous() and conv_state.stride(2) == 1
+    out = torch.empty_like(qkv)
+    block_t, block_c = 16, 128
+    if tokens:
+        _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
+            qkv, conv_weight, conv_state, slots, offsets, out, reqs, tokens, channels,
+            qkv.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
+            WIDTH=width, BLOCK_T=block_t, BLOCK_C=block_c,
+            BLOCK_R=triton.next_power_of_2(max(reqs, 2)),
+        )  # fmt: skip
+    _conv_state_kernel[(reqs, triton.cdiv(channels, block_c))](
+        qkv, conv_state, slots, offsets, channels,
+        qkv.stride(0), conv_state.stride(0), conv_state.stride(1),
+        WIDTH=width, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(width),
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _recurrent_varlen_kernel(
+    Mixed, A, Bp, ALog, DtBias, SSM, Slots, Offsets, Out,
+    scale,
+    stride_m, stride_a, stride_b, stride_ss, stride_sh, stride_ot, stride_oh,
+    KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    r, hv = tl.program_id(0), tl.program_id(1)
+    h = hv // PER_KEY
+    start, end = tl.load(Offsets + r), tl.load(Offsets + r + 1)
+    slot = tl.load(Slots + r).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = offs_v < DV
+    s_ptrs = SSM + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
+    smask = mk[:, None] & mv[None, :]
+    S = tl.load(s_ptrs, mask=smask, other=0.0)
+    for t in range(start, end):
+        x = Mixed + t * stride_m
+        q = tl.load(x + h * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(x + KEY_DIM + h * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(x + 2 * KEY_DIM + hv * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+        g, beta = _gates(A, Bp, ALog, DtBias, t, hv, stride_a, stride_b)
+        S, o = _delta_step(S, _l2normed(q) * scale, _l2normed(k), v, g, beta)
+        tl.store(Out + t * stride_ot + hv * stride_oh + offs_v, o, mask=mv)
+    tl.store(s_ptrs, S, mask=smask & (end + 0 * offs_v > start)[None, :])  # an empty one: no
+
+
+def recurrent_varlen(
+    mixed: torch.Tensor,  # [T, conv_dim]: q, k and v after the conv
+    a: torch.Tensor,  # [T, value heads]
+    b: torch.Tensor,  # [T, value heads]
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,  # [slots, value heads, dk, dv] float32, updated in place
+    slots: torch.Tensor,  # [B]
+    offsets: torch.Tensor,  # [B + 1]
+    shape: LinearAttention,
+    block_v: int = 32,
+) -> torch.Tensor:
+    """The gated delta rule over each request's tokens from its slot's state, which then
+    holds the state after its last token: the output [T, value heads, dv] in float32."""
+    s = shape
+    assert mixed.stride(1) == 1 and ssm_state.dtype == torch.float32
+    assert ssm_state.stride(3) == 1 and ssm_state.stride(2) == s.value_head_dim
+    dk, dv = s.key_head_dim, s.value_head_dim
+    out = mixed.new_empty(mixed.size(0), s.num_value_heads, dv, dtype=torch.float32)
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    grid = (slots.size(0), s.num_value_heads, triton.cdiv(dv, block_v))
+    _recurrent_varlen_kernel[grid](
+        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, out, dk**-0.5,
+        mixed.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), ssm_state.stride(1),
+        out.stride(0), out.stride(1),
+        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
+        PER_KEY=s.num_value_heads // s.num_key_heads,
+        BLOCK_DK=triton.next_power_of_2(dk), BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
+
+
+def _check(
+    qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    s: LinearAttention,
+) -> None:
+    """The layouts the kernels index by hand: rows of channels, the state's matrices whole."""
+    assert qkv.size(1) == s.conv_dim and qkv.stride(1) == 1, "qkv: [tokens, conv_dim] rows"
+    assert conv_weight.shape == (s.conv_dim, s.conv_kernel) and conv_weight.is_contiguous()
+    assert conv_state.stride(2) == 1 and ssm_state.dtype == torch.float32
+    assert ssm_state.stride(3) == 1 and ssm_state.stride(2) == s.value_head_dim

@@ -1,0 +1,216 @@
+"""The Gated DeltaNet layer's batched paths equal the delta rule run token by token.
+
+- The chunk form of the rule (`chunk_delta_rule`) against `delta_rule`, in float32, for
+  lengths on both sides of a chunk's edge and from a nonzero state.
+- The layer's torch path, which pads a batch's requests to the longest and runs them at
+  once, against each request run alone through the per-token reference.
+- Our Triton kernels (kernels/gated_delta.py, in Triton's interpreter on a CPU) against the
+  torch path: a decode step, and a prefill of requests of different lengths, with padding
+  requests in the dummy slot (one of them empty) that must leave every other slot alone.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minisgl.core import Context, set_global_ctx
+from minisgl.env import ENV
+from minisgl.kvcache.state_pool import RecurrentStatePool, gated_delta_kernels
+from minisgl.layers.gated_deltanet import (
+    GatedDeltaNet,
+    _l2norm,
+    causal_conv,
+    chunk_delta_rule,
+    delta_rule,
+)
+from minisgl.models.families import LinearAttention
+
+SHAPE = LinearAttention(num_key_heads=2, num_value_heads=4, key_head_dim=16,
+                        value_head_dim=32, conv_kernel=4)  # fmt: skip
+HIDDEN, SLOTS = 32, 6
+DUMMY = SLOTS - 1  # the padding requests' slot
+triton_only = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, tol: float) -> bool:
+    """Equal up to `tol`, relative to the larger values' size."""
+    return (got - want).abs().max().item() <= tol * max(1.0, want.abs().max().item())
+
+
+def rule_inputs(reqs: int, n: int, heads: int = 3, dk: int = 8, dv: int = 12, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (_l2norm(torch.randn(reqs, n, heads, dk, generator=gen)) for _ in range(2))
+    v = torch.randn(reqs, n, heads, dv, generator=gen)
+    g = -torch.rand(reqs, n, heads, generator=gen) * 0.5  # decays of 1 down to 0.6
+    beta = torch.rand(reqs, n, heads, generator=gen)
+    state = torch.randn(reqs, heads, dk, dv, generator=gen)
+    return q * dk**-0.5, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("n", [1, 3, 63, 64, 65, 130])
+def test_chunk_form_equals_the_token_by_token_rule(n: int) -> None:
+    args = rule_inputs(2, n, seed=n)
+    want, want_state = delta_rule(*args)
+    got, got_state = chunk_delta_rule(*args)
+    assert got.shape == want.shape
+    assert close(got, want, 1e-5)
+    assert close(got_state, want_state, 1e-5)
+    small, small_state = chunk_delta_rule(*args, chunk=16)  # many chunks, a partial last
+    assert close(small, want, 1e-5)
+    assert close(small_state, want_state, 1e-5)
+
+
+# ---- the layer, on a batch of requests of different lengths
+
+
+def make_layer(seed: int = 0) -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(HIDDEN, SHAPE, 1e-6, index=1)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        layer.A_log.uniform_(-2.0, 0.5)
+        layer.norm.weight.add_(1.0)
+    return layer
+
+
+def make_pool(seed: int = 1) -> RecurrentStatePool:
+    """Two layers of nonzero states: the layer is the second."""
+    pool = RecurrentStatePool(2, SLOTS, SHAPE, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(seed)
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=gen))
+    pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=gen) * 0.3)
+    return pool
+
+
+def run(layer: GatedDeltaNet, pool: RecurrentStatePool, x: torch.Tensor, lengths: list[int],
+        slots: list[int], kernels: str) -> torch.Tensor:  # fmt: skip
+    """The layer's forward over packed tokens x of requests of `lengths` in `slots`."""
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    batch = SimpleNamespace(
+        state_slots=torch.tensor(slots), state_offsets=offsets, padded_size=len(slots),
+        padded_reqs=[SimpleNamespace(extend_len=n) for n in lengths],
+        is_decode=max(lengths) == 1 and min(lengths) == 1,
+    )  # fmt: skip
+    pool.kernels = kernels
+    ctx = Context(None)  # type: ignore[arg-type]
+    ctx.state_pool = pool
+    set_global_ctx(ctx)
+    try:
+        with ctx.forward_batch(batch), torch.no_grad():  # type: ignore[arg-type]
+            return layer(x)
+    finally:
+        set_global_ctx(None)
+
+
+def alone(layer: GatedDeltaNet, x: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor):
+    """One request through the layer in plain words: the conv after its state, then the
+    rule token by token. (output, conv state after, SSM state after)."""
+    s = layer.shape
+    with torch.no_grad():
+        qkv, z = layer.in_proj_qkv(x), layer.in_proj_z(x)
+        beta = layer.in_proj_b(x).sigmoid()
+        g = -layer.A_log.exp() * F.softplus(layer.in_proj_a(x) + layer.dt_bias)
+        mixed, conv = causal_conv(qkv[None], conv[None], layer.conv1d.weight.squeeze(1))
+        key = s.num_key_heads * s.key_head_dim
+        q, k, v = mixed[0].split([key, key, mixed.size(-1) - 2 * key], dim=-1)
+        r = s.num_value_heads // s.num_key_heads
+        q, k = (_l2norm(t.view(-1, s.num_key_heads, s.key_head_dim)).repeat_interleave(r, 1)
+                for t in (q, k))  # fmt: skip
+        v = v.view(-1, s.num_value_heads, s.value_head_dim)
+        o, ssm = delta_rule(q[None] * s.key_head_dim**-0.5, k[None], v[None], g[None],
+                            beta[None], ssm[None])  # fmt: skip
+        out = layer.out_proj(layer.norm(o[0], z.view_as(o[0])).flatten(1))
+    return out, conv[0], ssm[0]
+
+
+LENGTHS, SLOT_OF = [5, 1, 70, 3], [3, 0, 2, 4]  # slot 1 is nobody's
+
+
+def test_torch_path_batches_requests_as_each_alone() -> None:
+    layer, pool = make_layer(), make_pool()
+    before = make_pool()
+    x = torch.randn(sum(LENGTHS), HIDDEN, generator=torch.Generator().manual_seed(2))
+    got = run(layer, pool, x, LENGTHS, SLOT_OF, "torch")
+    start = 0
+    for n, slot in zip(LENGTHS, SLOT_OF):
+        want, conv, ssm = alone(
+            layer, x[start : start + n], before.conv[1, slot], before.ssm[1, slot]
+        )
+        assert close(got[start : start + n], want, 1e-5)
+        assert close(pool.conv[1, slot], conv, 1e-6)
+        assert close(pool.ssm[1, slot], ssm, 1e-5)
+        start += n
+    assert torch.equal(pool.ssm[1, 1], before.ssm[1, 1]) and torch.equal(pool.ssm[0], before.ssm[0])
+    # a decode step: one token each, the states where the prefill left them
+    x1 = torch.randn(len(SLOT_OF), HIDDEN, generator=torch.Generator().manual_seed(3))
+    mid = [(pool.conv[1, s].clone(), pool.ssm[1, s].clone()) for s in SLOT_OF]
+    got = run(layer, pool, x1, [1] * len(SLOT_OF), SLOT_OF, "torch")
+    for i, (conv, ssm) in enumerate(mid):
+        want, _, ssm_after = alone(layer, x1[i : i + 1], conv, ssm)
+        assert close(got[i], want[0], 1e-5)
+        assert close(pool.ssm[1, SLOT_OF[i]], ssm_after, 1e-5)
+
+
+# ---- our Triton kernels against the torch path
+
+
+def both_paths(lengths: list[int], slots: list[int]):
+    """(torch's output and pool, the kernels' output and pool) from the same start."""
+    layer = make_layer()
+    x = torch.randn(sum(lengths), HIDDEN, generator=torch.Generator().manual_seed(4))
+    out = []
+    for kernels in ("torch", "triton"):
+        pool = make_pool()
+        out.append((run(layer, pool, x, lengths, slots, kernels), pool))
+    return out
+
+
+def assert_same_states(want: RecurrentStatePool, got: RecurrentStatePool, slots: list[int]):
+    """Every slot but the dummy's equal (padding rows race for the dummy's)."""
+    before = make_pool()
+    for slot in range(SLOTS - 1):
+        assert close(got.conv[:, slot], want.conv[:, slot], 1e-6), slot
+        assert close(got.ssm[:, slot], want.ssm[:, slot], 1e-5), slot
+        if slot not in slots:  # nobody's: untouched
+            assert torch.equal(got.ssm[:, slot], before.ssm[:, slot])
+            assert torch.equal(got.conv[:, slot], before.conv[:, slot])
+    assert torch.equal(got.ssm[0], before.ssm[0])  # another layer's states
+
+
+@triton_only
+def test_decode_kernel_equals_the_torch_path() -> None:
+    """Three requests and a padding row in the dummy slot."""
+    slots = [3, 0, 4, DUMMY]
+    (want, want_pool), (got, got_pool) = both_paths([1] * 4, slots)
+    assert got.shape == want.shape
+    assert close(got[:3], want[:3], 1e-5)
+    assert_same_states(want_pool, got_pool, slots)
+
+
+@triton_only
+def test_prefill_kernels_equal_the_torch_path() -> None:
+    """Requests of 6, 1 and 9 tokens (6 and 1 shorter than the conv's window), then a
+    filler of 3 tokens and an empty request, both in the dummy slot, as a prefill graph
+    pads a batch."""
+    lengths, slots = [6, 1, 9, 3, 0], [3, 0, 2, DUMMY, DUMMY]
+    (want, want_pool), (got, got_pool) = both_paths(lengths, slots)
+    assert close(got[:16], want[:16], 1e-5)
+    assert_same_states(want_pool, got_pool, slots)
+
+
+def test_triton_needs_a_gpu_or_the_interpreter(monkeypatch) -> None:
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="MINISGL_GATED_DELTA=triton .* need a CUDA device"):
+        gated_delta_kernels(torch.device("cpu"))
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "torch")
+    assert gated_delta_kernels(torch.device("cpu")) == "torch"
