@@ -91,6 +91,11 @@ SMOKE = {
         + ["--cases", "mixed,top_k_top_p,penalties"],
         "| top_k_top_p | 3 |",
     ),
+    "bench_gated_delta.py": (
+        ["--device", "cpu", "--models", "tiny", "--decode", "2", "--prefill", "2x5"]
+        + ["--rounds", "1", "--calls", "1"],
+        "| tiny | prefill | 2x5 | ours |",
+    ),
     "bench_moe.py": (
         ["--device", "cpu", "--experts", "8", "--top-k", "2", "--hidden", "64", "--inter", "32"]
         + ["--tokens", "7", "--iters", "2", "--warmup", "1"],

@@ -258,13 +258,13 @@ def bench(case: Case, args: argparse.Namespace, fla, device, dtype) -> list[str]
     torch_s = statistics.median(times["torch"])
     for name, ts in times.items():
         sec = statistics.median(ts)
-        gbs = setup.state_bytes() / sec / 1e9
+        rate = setup.state_bytes() / sec / 1e9 if decode else sum(lengths) / sec / 1e6
         size = f"{len(lengths)}" if decode else f"{len(lengths)}x{lengths[0]}"
         diff = "-" if math.isnan(diffs[name]) else f"{diffs[name]:.1e}"
         label = f"{name} ({notes[name]})" if name in notes else name
         rows.append(
             f"| {model} | {phase} | {size} | {label} | {sec * 1e6:.1f} | {torch_s / sec:.2f}x "
-            f"| {gbs:.0f} | {diff} |"
+            f"| {rate:.{0 if decode else 2}f} | {diff} |"
         )
     return rows
 
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("on the CPU, our kernels interpreted: the times mean nothing;")
     print(f"medians of {args.rounds} alternating rounds\n")
-    print("| model | phase | requests | side | us | vs torch | state GB/s | max diff |")
+    print("| model | phase | requests | side | us | vs torch | state GB/s, or Mtok/s | max diff |")
     print("|---|---|---|---|---|---|---|---|")
     for case in todo:
         for row in bench(case, args, fla, device, dtype):

@@ -33,6 +33,8 @@ Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +45,9 @@ from minisgl.kernels import gated_delta
 from minisgl.layers.linear import Linear
 from minisgl.layers.parallel import mark_split
 from minisgl.models.families import LinearAttention
+
+if TYPE_CHECKING:
+    from minisgl.kvcache.state_pool import RecurrentStatePool
 
 CHUNK = 64  # tokens the chunked delta rule solves at once
 
@@ -201,7 +206,7 @@ class GatedDeltaNet(nn.Module):
 
     def _reference(
         self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-        batch: Batch, pool,
+        batch: Batch, pool: RecurrentStatePool,
     ) -> torch.Tensor:  # fmt: skip
         """The torch path: every request at once, right-padded to the longest."""
         beta = b.sigmoid().float()
@@ -254,7 +259,7 @@ class GatedDeltaNet(nn.Module):
 
     def _kernels(
         self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-        batch: Batch, pool,
+        batch: Batch, pool: RecurrentStatePool,
     ) -> torch.Tensor:  # fmt: skip
         """Our Triton kernels: a decode step in one; a prefill (or verify) step as a conv and
         a recurrence over each request's tokens, lengths read on the device."""

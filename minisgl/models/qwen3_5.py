@@ -16,9 +16,9 @@ pool's layer k (`families.attention_layers`).
 Tensor parallelism cuts the attention by heads (each rank whole (query, gate) pairs), the
 linear layers by their key and value heads (layers/gated_deltanet.py), the MLPs as Llama's.
 
-What this model cannot run yet is refused by name: prefill graphs (engine/hybrid.py),
-prefix caching needs state snapshots (the engine runs it with the naive cache), speculative
-decoding is refused at start-up (engine/hybrid.py).
+What this model cannot run yet is refused by name: prefill graphs on the linear layers'
+torch path (engine/hybrid.py), prefix caching needs state snapshots (the engine runs it
+with the naive cache), speculative decoding is refused at start-up (engine/hybrid.py).
 """
 
 from __future__ import annotations
