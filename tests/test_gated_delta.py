@@ -214,3 +214,25 @@ def test_triton_needs_a_gpu_or_the_interpreter(monkeypatch) -> None:
         gated_delta_kernels(torch.device("cpu"))
     monkeypatch.setattr(ENV.GATED_DELTA, "value", "torch")
     assert gated_delta_kernels(torch.device("cpu")) == "torch"
+
+
+@triton_only
+def test_chunked_and_recurrent_kernels_agree() -> None:
+    """The prefill recurrence two ways: token by token, and 16 tokens at a step (a request
+    of 40 tokens spans three chunks, the last one partial)."""
+    from minisgl.kernels import gated_delta
+
+    s, lengths, slots = SHAPE, [40, 3, 0], torch.tensor([2, 0, DUMMY])
+    gen = torch.Generator().manual_seed(5)
+    mixed = torch.randn(sum(lengths), s.conv_dim, generator=gen)
+    a, b = torch.randn(2, sum(lengths), s.num_value_heads, generator=gen)
+    A_log, dt_bias = torch.rand(s.num_value_heads, generator=gen), torch.randn(s.num_value_heads)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    out = {}
+    for kernel in (gated_delta.recurrent_varlen, gated_delta.chunked_varlen):
+        pool = make_pool()
+        o = kernel(mixed, a, b, A_log, dt_bias, pool.ssm[1], slots, offsets, s)
+        out[kernel.__name__] = o, pool.ssm
+    (o1, s1), (o2, s2) = out.values()
+    assert close(o2, o1, 1e-5) and close(s2, s1, 1e-5)
+    assert not torch.equal(s1[1, 2], make_pool().ssm[1, 2])  # it did write

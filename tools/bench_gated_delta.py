@@ -14,7 +14,8 @@ to the gated, normalised output that goes into out_proj, states read from and wr
 their slots in a state pool. The sides:
 - torch: the layer's reference path (the default), the chunked delta rule for a prefill;
 - ours: kernels/gated_delta.py (MINISGL_GATED_DELTA=triton): one kernel a decode step; a
-  prefill's conv, conv-state update and token-by-token recurrence, then the gated norm;
+  prefill's conv, conv-state update and chunked recurrence (16 tokens a step), then the
+  gated norm; "ours, by token" is the same with the token-by-token recurrence;
 - fla: fla-core's `fused_recurrent_gated_delta_rule` (decode) and `chunk_gated_delta_rule`
   (prefill, with cu_seqlens) on q, k, v, g and beta already made, states in a dense tensor:
   the recurrence alone, without the conv, the gates, the slots or the norm. A lower bound
@@ -117,6 +118,24 @@ class Setup:
         method = self.layer._kernels if kernels == "triton" else self.layer._reference
         return lambda: method(self.qkv, self.z, self.b, self.a, self.batch, self.pool)
 
+    def by_token(self) -> Callable[[], torch.Tensor]:
+        """Our prefill with the token-by-token recurrence instead of the chunked one."""
+        from minisgl.kernels import gated_delta
+
+        layer, b = self.layer, self.batch
+
+        def run() -> torch.Tensor:
+            conv, ssm = self.pool.conv[layer.index], self.pool.ssm[layer.index]
+            weight = layer.conv1d.weight.squeeze(1)
+            mixed = gated_delta.conv_varlen(self.qkv, weight, conv, b.state_slots, b.state_offsets)
+            o = gated_delta.recurrent_varlen(
+                mixed, self.a, self.b, layer.A_log, layer.dt_bias, ssm, b.state_slots,
+                b.state_offsets, self.shape,
+            ).to(self.qkv.dtype)  # fmt: skip
+            return layer.norm(o, self.z.view_as(o))
+
+        return run
+
     def state_bytes(self) -> int:
         """A call's floor traffic: each request's SSM and conv state read and written."""
         s, itemsize = self.shape, self.qkv.element_size()
@@ -159,16 +178,16 @@ class Setup:
         )  # fmt: skip
 
 
-def max_diff(setup: Setup, kernels: str) -> float:
-    """Relative largest difference of `kernels`'s output from torch's, from the same states."""
+def max_diff(setup: Setup, side: Callable[[], torch.Tensor]) -> float:
+    """Relative largest difference of `side`'s output from torch's, from the same states."""
     saved = setup.pool.conv.clone(), setup.pool.ssm.clone()
-    out = {}
-    for side in ("torch", kernels):
+    out = []
+    for run in (setup.side("torch"), side):
         setup.pool.conv.copy_(saved[0]), setup.pool.ssm.copy_(saved[1])
         with torch.no_grad():
-            out[side] = setup.side(side)().float()
-    want = out["torch"]
-    return ((out[kernels] - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
+            out.append(run().float())
+    got, want = out
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-6)).item()
 
 
 def cycling(setup: Setup, run: Callable[[], object], calls: int) -> Callable[[], None]:
@@ -232,7 +251,10 @@ def bench(case: Case, args: argparse.Namespace, fla, device, dtype) -> list[str]
     calls = args.calls if decode else 1
     sides: dict[str, Callable[[], object]] = {"torch": setup.side("torch")}
     sides["ours"] = setup.side("triton")
-    diffs = {"torch": 0.0, "ours": max_diff(setup, "triton")}
+    diffs = {"torch": 0.0, "ours": max_diff(setup, setup.side("triton"))}
+    if not decode:
+        sides["ours, by token"] = setup.by_token()
+        diffs["ours, by token"] = max_diff(setup, sides["ours, by token"])
     notes = {}
     if fla is not None and device.type == "cuda":
         sides["fla"] = setup.fla_side(fla)

@@ -21,11 +21,14 @@ slot from device tensors:
   conv state;
 - the conv state's update, one program per (request, block of channels), after the conv
   has read the old one: the last K - 1 inputs of each request;
-- the recurrence, one program per (request, value head, block of value channels): it walks
-  the request's tokens one by one with its block of the state in registers, in float32,
-  from the slot's state to the slot's state. One token at a time: simple and exact, but
-  a long prompt is one long walk; a chunked kernel (the chunk form of the torch path)
-  would be faster on a GPU and is not written yet.
+- the recurrence, one program per (request, value head, block of value channels), its
+  block of the state in registers in float32, from the slot's state to the slot's state.
+  `recurrent_varlen` walks the request's tokens one by one: simple, but a long prompt is
+  one long walk of small steps. `chunked_varlen`, which the layer runs, walks it 16
+  tokens at a step in the chunk form of the torch path (`chunk_delta_rule`): the chunk's
+  triangular system is solved by forward substitution on a 16 x 16 tile, the rest is
+  matmuls. A wider chunk (64, solved by blocks) would use the tensor cores better and
+  walk fewer steps; not written yet.
 
 A request with no tokens (a prefill graph's empty slots) changes nothing; padding requests
 write only the dummy request's slot.
@@ -37,7 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.attention import _dot
 from minisgl.models.families import LinearAttention
+
+CHUNK = 16  # tokens the chunked kernel solves at once
 
 
 @triton.jit
@@ -314,6 +320,101 @@ def recurrent_varlen(
         KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
         PER_KEY=s.num_value_heads // s.num_key_heads,
         BLOCK_DK=triton.next_power_of_2(dk), BLOCK_V=block_v,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _chunked_varlen_kernel(
+    Mixed, A, Bp, ALog, DtBias, SSM, Slots, Offsets, Out,
+    scale,
+    stride_m, stride_a, stride_b, stride_ss, stride_sh, stride_ot, stride_oh,
+    KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    r, hv = tl.program_id(0), tl.program_id(1)
+    h = hv // PER_KEY
+    start, end = tl.load(Offsets + r), tl.load(Offsets + r + 1)
+    slot = tl.load(Slots + r).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = offs_v < DV
+    s_ptrs = SSM + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
+    smask = mk[:, None] & mv[None, :]
+    S = tl.load(s_ptrs, mask=smask, other=0.0)
+    rows = tl.arange(0, CHUNK)
+    lower = rows[:, None] >= rows[None, :]
+    eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+    decay_rate = -tl.exp(tl.load(ALog + hv).to(tl.float32))
+    dt_bias = tl.load(DtBias + hv).to(tl.float32)
+    for c0 in range(start, end, CHUNK):
+        t = c0 + rows
+        mt = t < end  # the last chunk's rows past the request: g = beta = 0, no change
+        x = Mixed + t[:, None] * stride_m
+        qk_mask, v_mask = mt[:, None] & mk[None, :], mt[:, None] & mv[None, :]
+        q = tl.load(x + h * DK + offs_k[None, :], mask=qk_mask, other=0.0).to(tl.float32)
+        k = tl.load(x + KEY_DIM + h * DK + offs_k[None, :], mask=qk_mask, other=0.0).to(tl.float32)
+        v = tl.load(x + 2 * KEY_DIM + hv * DV + offs_v[None, :], mask=v_mask, other=0.0)
+        v = v.to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None] * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        a = tl.load(A + t * stride_a + hv, mask=mt, other=0.0).to(tl.float32) + dt_bias
+        g = tl.where(mt, decay_rate * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a))), 0.0)
+        b = tl.load(Bp + t * stride_b + hv, mask=mt, other=0.0).to(tl.float32)
+        beta = tl.where(mt, 1.0 / (1.0 + tl.exp(-b)), 0.0)
+        # the chunk form of torch's `chunk_delta_rule`, for one head and a block of v
+        c = tl.cumsum(g, axis=0)
+        decay = tl.where(lower, tl.exp(tl.where(lower, c[:, None] - c[None, :], 0.0)), 0.0)
+        kk = _dot(k, tl.trans(k), IEEE)
+        a_mat = tl.where(rows[:, None] > rows[None, :], beta[:, None] * decay * kk, 0.0)
+        # (I + A)^-1 by forward substitution: row i is e_i minus A's row i times the rows above
+        inv = eye
+        for i in tl.static_range(1, CHUNK):
+            a_row = tl.sum(tl.where(rows[:, None] == i, a_mat, 0.0), axis=0)
+            above = tl.sum(a_row[:, None] * inv, axis=0)  # A's row i times the rows above
+            inv = tl.where(rows[:, None] == i, inv - above[None, :], inv)
+        u = _dot(inv, beta[:, None] * v, IEEE)
+        w = _dot(inv, (beta * tl.exp(c))[:, None] * k, IEEE)
+        d = u - _dot(w, S, IEEE)  # what each token writes
+        scores = _dot(q, tl.trans(k), IEEE) * decay
+        o = _dot(q * tl.exp(c)[:, None], S, IEEE) + _dot(scores, d, IEEE)
+        out = Out + t[:, None] * stride_ot + hv * stride_oh + offs_v[None, :]
+        tl.store(out, o, mask=v_mask)
+        c_last = tl.sum(tl.where(rows == CHUNK - 1, c, 0.0), axis=0)
+        S = S * tl.exp(c_last) + _dot(tl.trans(k * tl.exp(c_last - c)[:, None]), d, IEEE)
+    tl.store(s_ptrs, S, mask=smask & (end + 0 * offs_v > start)[None, :])
+
+
+def chunked_varlen(
+    mixed: torch.Tensor,  # [T, conv_dim]: q, k and v after the conv
+    a: torch.Tensor,  # [T, value heads]
+    b: torch.Tensor,  # [T, value heads]
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_state: torch.Tensor,  # [slots, value heads, dk, dv] float32, updated in place
+    slots: torch.Tensor,  # [B]
+    offsets: torch.Tensor,  # [B + 1]
+    shape: LinearAttention,
+    block_v: int = 64,
+) -> torch.Tensor:
+    """`recurrent_varlen`'s result, CHUNK tokens at a step: within a chunk the tokens' writes
+    solve one small triangular system, and the rest is matmuls (the torch path's chunk form)."""
+    s = shape
+    assert mixed.stride(1) == 1 and ssm_state.dtype == torch.float32
+    assert ssm_state.stride(3) == 1 and ssm_state.stride(2) == s.value_head_dim
+    dk, dv = s.key_head_dim, s.value_head_dim
+    out = mixed.new_empty(mixed.size(0), s.num_value_heads, dv, dtype=torch.float32)
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    grid = (slots.size(0), s.num_value_heads, triton.cdiv(dv, block_v))
+    _chunked_varlen_kernel[grid](
+        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, out, dk**-0.5,
+        mixed.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), ssm_state.stride(1),
+        out.stride(0), out.stride(1),
+        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
+        PER_KEY=s.num_value_heads // s.num_key_heads,
+        BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_V=max(16, block_v), CHUNK=CHUNK,
+        IEEE=mixed.dtype == torch.float32,
     )  # fmt: skip
     return out
 

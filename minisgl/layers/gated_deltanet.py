@@ -27,8 +27,8 @@ Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA
   (`chunk_delta_rule`); `delta_rule` is the same rule one token at a time, in plain words.
   The padding's shape is read from the requests' lengths on the host;
 - triton (kernels/gated_delta.py): one kernel for a decode step, and for a prefill a conv
-  and a recurrence that read every length and slot from device tensors, so a CUDA graph
-  of a prefill replays correctly for any lengths.
+  and the chunked rule that read every length and slot from device tensors, so a CUDA
+  graph of a prefill replays correctly for any lengths.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ class GatedDeltaNet(nn.Module):
         batch: Batch, pool: RecurrentStatePool,
     ) -> torch.Tensor:  # fmt: skip
         """Our Triton kernels: a decode step in one; a prefill (or verify) step as a conv and
-        a recurrence over each request's tokens, lengths read on the device."""
+        the chunked recurrence over each request's tokens, lengths read on the device."""
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
         weight = self.conv1d.weight.squeeze(1)
         if batch.is_decode:
@@ -272,7 +272,7 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
         slots, offsets = batch.state_slots, batch.state_offsets
         mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
-        o = gated_delta.recurrent_varlen(
+        o = gated_delta.chunked_varlen(
             mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape
         ).to(qkv.dtype)
         return self.norm(o, z.view_as(o))
