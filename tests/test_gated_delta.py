@@ -98,7 +98,7 @@ def run(layer: GatedDeltaNet, pool: RecurrentStatePool, x: torch.Tensor, lengths
     batch = SimpleNamespace(
         state_slots=torch.tensor(slots), state_offsets=offsets, padded_size=len(slots),
         padded_reqs=[SimpleNamespace(extend_len=n) for n in lengths],
-        is_decode=max(lengths) == 1 and min(lengths) == 1,
+        is_decode=max(lengths) == 1 and min(lengths) == 1, phase="prefill",
     )  # fmt: skip
     pool.kernels = kernels
     ctx = Context(None)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ CausalLM, and compared with transformers under teacher forcing: a prefill in two
 (the second over the state the first left), then decode steps. Batched and chunked runs
 must give each request the tokens it gets alone, and so must emulated decode graphs, whose
 state slots go through the graphs' static buffer; the published configs of Qwen3.5-0.8B and
-9B must parse and size the engine; what a hybrid cannot do yet fails by name.
+9B must parse and size the engine; what a hybrid cannot do fails by name.
 """
 
 from __future__ import annotations
@@ -183,10 +183,11 @@ def test_preempted_requests_start_again_from_a_zero_state(folders, alone, monkey
     assert out == alone
 
 
-def test_what_a_hybrid_cannot_do_yet_fails_by_name(folders, monkeypatch) -> None:
+def test_what_a_hybrid_cannot_do_fails_by_name(folders, monkeypatch) -> None:
     path = folders["mm"]
-    with pytest.raises(ValueError, match="speculative decoding .* not supported for Qwen3_5"):
-        check_model_files(EngineConfig(str(path), speculative="ngram"))  # before any process
+    config = EngineConfig(str(path), speculative="draft", draft_model=str(path))
+    with pytest.raises(ValueError, match=r"\(Qwen3_5\w+\) has linear-attention"):
+        check_model_files(config)  # before any process: a hybrid draft model
     monkeypatch.setattr(ENV.CPU_KV_CACHE_MB, "value", 1)
     with pytest.raises(MemoryError, match="recurrent states of 64 requests take 2 MB"):
         make_engine(path, num_page_override=None, max_running_req=64)

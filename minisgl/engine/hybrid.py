@@ -1,8 +1,12 @@
 """What a hybrid model (linear-attention layers with a recurrent state beside attention layers
 with KV pages) cannot do yet, refused or turned off by name at start-up.
 
-- Speculative decoding would need a verify step that keeps the state after each draft
-  position and rolls it back to the accepted length: refused.
+- Speculative decoding: a verify step advances the state over every draft, and only some
+  are accepted. The linear layers keep the state after each position of a verify step and
+  the speculator rolls each request's slot back to its accepted length
+  (`RecurrentStatePool.keep_accepted`), conv state included. That runs on the torch path,
+  so verify graphs are off for hybrids (`verify_graph_blocker`). A hybrid draft model is
+  refused: its own state would need the same after every verify.
 - Tensor parallelism cuts the linear layers by key heads (each rank the value heads that
   read its keys): a tp_size that does not divide linear_num_key_heads, or the shared
   expert's width, is refused here, by name, rather than when a rank builds its layers.
@@ -10,7 +14,7 @@ with KV pages) cannot do yet, refused or turned off by name at start-up.
   computed: without state snapshots the prefix cache is wrong. The scheduler runs a hybrid
   model with the naive cache (`prefix_cache`) and says so.
 - Graphs: decode graphs run, their state slots in the graphs' static buffers (engine/graph.py).
-  Prefill and verify graphs (`graph_blocker`) run only on our Triton kernels
+  Prefill graphs (`graph_blocker`) run only on our Triton kernels
   (MINISGL_GATED_DELTA=triton), which read each request's slot and token offsets from those
   buffers: the torch path pads a prefill's requests to the longest, a shape it reads on the
   host, so a graph would replay the lengths it was captured with.
@@ -35,23 +39,34 @@ logger = logging.getLogger(__name__)
 _HYBRID_ARCHS = ("Qwen3NextForCausalLM",)
 
 
-def check_hybrid(config: Any) -> None:
-    """Raise ValueError for an option a hybrid model cannot honour (config: an EngineConfig):
-    speculation, or ranks its heads do not divide among; run by `check_model_files`, before
-    anything loads or a process starts."""
-    path = Path(config.model_path) / "config.json"
+def _hybrid(folder: Any) -> tuple[str, dict] | None:
+    """(architecture, text config) of the model in `folder` if it has linear-attention
+    layers; None if not, or if it has no config.json (other checks say so)."""
+    path = Path(folder) / "config.json"
     if not path.is_file():
-        return
+        return None
     raw = json.loads(path.read_text())
     text = raw.get("text_config") or raw
     arch = (raw.get("architectures") or ["this model"])[0]
     if "linear_attention" not in (text.get("layer_types") or ()) and arch not in _HYBRID_ARCHS:
-        return
-    if config.speculative != "off":
+        return None
+    return arch, text
+
+
+def check_hybrid(config: Any) -> None:
+    """Raise ValueError for an option a hybrid model cannot honour (config: an EngineConfig):
+    a hybrid draft model, or ranks its heads do not divide among; run by
+    `check_model_files`, before anything loads or a process starts."""
+    if config.speculative == "draft" and (draft := _hybrid(config.draft_model)):
         raise ValueError(
-            f"speculative decoding ({config.speculative!r}) is not supported for {arch} yet: "
-            "its linear-attention layers' state cannot be rolled back to the accepted drafts"
+            f"draft model {config.draft_model} ({draft[0]}) has linear-attention layers: a "
+            "draft model's state would have to be rolled back after every verify; pick a "
+            "draft model with attention layers only"
         )
+    hybrid = _hybrid(config.model_path)
+    if hybrid is None:
+        return
+    arch, text = hybrid
     sizes = {k: text.get(k) for k in ("linear_num_key_heads", "shared_expert_intermediate_size")}
     problems = [
         f"{k} {v} is not divisible by {config.tp_size}"
@@ -73,6 +88,14 @@ def graph_blocker(model_config: ModelConfig) -> str | None:
         "on the host, so a graph would replay the lengths it was captured with "
         "(MINISGL_GATED_DELTA=triton reads them on the device)"
     )
+
+
+def verify_graph_blocker(model_config: ModelConfig) -> str | None:
+    """Why verify graphs are off (None: they may run): a hybrid's verify keeps every
+    position's state for the roll back, on the torch path, whose padding is read on the host."""
+    if model_config.linear is None:
+        return None
+    return "a hybrid's verify step keeps each position's state on the torch path"
 
 
 def prefix_cache(model_config: ModelConfig, cache_type: str) -> str:

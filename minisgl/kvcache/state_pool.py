@@ -71,6 +71,9 @@ class RecurrentStatePool:
             dtype=torch.float32,
             device=device,
         )
+        # A verify step's record, by linear layer: (the conv's inputs [reqs, C, K - 1 + T],
+        # the state after each token [reqs, T, heads, dk, dv]), until `keep_accepted`.
+        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def bytes(self) -> int:
@@ -98,6 +101,22 @@ class RecurrentStatePool:
             index = to_device(fresh, self.device, torch.int64)
             self.conv.index_fill_(1, index, 0)
             self.ssm.index_fill_(1, index, 0)
+
+    def keep_accepted(self, batch: Batch, accepted: torch.Tensor) -> None:
+        """After a verify step, each request's state as if only its last token and its
+        `accepted` [reqs] drafts had been run (on the device, no wait): the SSM state after
+        that many tokens, and the conv's last K - 1 inputs up to the same token."""
+        if not self.kept:
+            return
+        slots, n = batch.state_slots[: batch.size], batch.size
+        rows = torch.arange(n, device=self.device)
+        for layer, (inputs, states) in self.kept.items():
+            self.ssm[layer, slots] = states[rows, accepted[:n]]
+            width = self.conv.size(-1)  # K - 1: columns t + 1 .. t + K - 1 end at token t
+            last = accepted[:n, None] + 1 + torch.arange(width, device=self.device)
+            window = inputs[:n].gather(2, last[:, None, :].expand(-1, inputs.size(1), -1))
+            self.conv[layer, slots] = window.to(self.conv.dtype)
+        self.kept.clear()
 
     def graph_buffers(self, num_reqs: int, dummy_req: Req) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphs' static buffers of state slots and token offsets (engine/graph.py), for

@@ -89,10 +89,12 @@ def delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
+    every: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, token by token, in float32. q, k: [B, T, H, dk] (normalised,
     one per value head), v: [B, T, H, dv], g, beta: [B, T, H], state: [B, H, dk, dv].
-    Returns (output [B, T, H, dv], the state after the last token)."""
+    Returns (output [B, T, H, dv], the state after the last token); `every`, if given,
+    gets the state after each token (a verify step rolls back to one of them)."""
     out = torch.empty_like(v)
     for t in range(q.size(1)):
         state = state * g[:, t].exp()[..., None, None]
@@ -100,6 +102,8 @@ def delta_rule(
         delta = (v[:, t] - read) * beta[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
+        if every is not None:
+            every.append(state)
     return out, state
 
 
@@ -198,7 +202,7 @@ class GatedDeltaNet(nn.Module):
         batch, pool = ctx.batch, ctx.state_pool
         qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
         b, a = self.in_proj_b(x), self.in_proj_a(x)
-        if pool.kernels == "triton":
+        if pool.kernels == "triton" and batch.phase != "verify":
             out = self._kernels(qkv, z, b, a, batch, pool)
         else:
             out = self._reference(qkv, z, b, a, batch, pool)
@@ -227,9 +231,14 @@ class GatedDeltaNet(nn.Module):
             return out.index_copy_(0, places, t).view(reqs, longest, *t.shape[1:])
 
         weight = self.conv1d.weight.squeeze(1)
-        mixed, conv_after = causal_conv(padded(qkv), conv[slots], weight, lengths)
-        o, ssm_after = self._recur(mixed, padded(g), padded(beta), ssm[slots])
+        x, conv_before = padded(qkv), conv[slots]
+        mixed, conv_after = causal_conv(x, conv_before, weight, lengths)
+        every = [] if batch.phase == "verify" else None  # the state after each draft
+        o, ssm_after = self._recur(mixed, padded(g), padded(beta), ssm[slots], every)
         conv[slots], ssm[slots] = conv_after.to(conv.dtype), ssm_after
+        if every is not None:  # what the speculator rolls back to (state_pool.keep_accepted)
+            inputs = torch.cat([conv_before.to(x.dtype), x.transpose(1, 2)], dim=-1)
+            pool.kept[self.index] = (inputs, torch.stack(every, dim=1))
         o = o.flatten(0, 1)
         o = o if places is None else o.index_select(0, places)
         o = o.to(qkv.dtype)
@@ -241,6 +250,7 @@ class GatedDeltaNet(nn.Module):
         g: torch.Tensor,  # [B, T, value heads]
         beta: torch.Tensor,
         state: torch.Tensor,
+        every: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.shape
         reqs, n = mixed.shape[:2]
@@ -254,8 +264,9 @@ class GatedDeltaNet(nn.Module):
             for t in (q, k)
         )
         v = v.reshape(reqs, n, s.num_value_heads, s.value_head_dim)
-        rule = delta_rule if n == 1 else chunk_delta_rule
-        return rule(q * s.key_head_dim**-0.5, k, v, g, beta, state)
+        if every is not None or n == 1:
+            return delta_rule(q * s.key_head_dim**-0.5, k, v, g, beta, state, every)
+        return chunk_delta_rule(q * s.key_head_dim**-0.5, k, v, g, beta, state)
 
     def _kernels(
         self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,

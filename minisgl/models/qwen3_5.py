@@ -18,7 +18,8 @@ linear layers by their key and value heads (layers/gated_deltanet.py), the MLPs 
 
 What this model cannot run yet is refused by name: prefill graphs on the linear layers'
 torch path (engine/hybrid.py), prefix caching needs state snapshots (the engine runs it
-with the naive cache), speculative decoding is refused at start-up (engine/hybrid.py).
+with the naive cache). Speculative decoding rolls the linear layers' state back to the
+accepted drafts (kvcache/state_pool.py `keep_accepted`).
 """
 
 from __future__ import annotations

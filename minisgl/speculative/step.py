@@ -193,6 +193,8 @@ class Speculator:
         accepted, final = s.forward(
             batch, lambda: accept_drafts(engine.logits(batch), reqs, drafts, pool)
         )
+        if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch29]
+            engine.state_pool.keep_accepted(batch, accepted)  # [ch29]
         # The token after the accepted drafts takes the place of the first rejected one.
         pool.put_(after_d + accepted, final)
         both = to_host(torch.stack([accepted, final.long()]))

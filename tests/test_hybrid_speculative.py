@@ -1,0 +1,115 @@
+"""Speculative decoding on a hybrid model: the linear layers' state rolled back to the drafts
+a verify step accepted.
+
+A verify step runs the model over each request's last token and its drafts, so the
+recurrent state (SSM and conv) advances over every draft; when some are rejected, each
+request's slot must hold the state after its accepted tokens only (`keep_accepted`). Greedy
+tokens with speculation must equal those without, in fp32: with drafts that are partly
+wrong (an oracle that spoils every third step) and with suffix drafts from earlier
+answers, batched. Without the roll back the same run gives other tokens, so the test can fail.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TINY, need
+from test_qwen3_5 import TEXT, VOCAB, _perturb, token_ids
+
+from minisgl.core import Req, SamplingParams
+from minisgl.engine.config import EngineConfig, check_model_files
+from minisgl.kvcache.state_pool import RecurrentStatePool
+from minisgl.llm import LLM
+from minisgl.speculative.ngram import NgramDrafter
+
+pytestmark = pytest.mark.usefixtures("serial")
+
+KW = dict(device="cpu", dtype="float32", max_running_req=4, page_size=4, num_page_override=96)
+SPEC = dict(speculative_always=True, speculative_max_bs=4, num_draft_tokens=4)
+PROMPTS = [token_ids(20, 9) * 2, token_ids(21, 5) * 3 + token_ids(22, 4), token_ids(23, 12)]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    root = tmp_path_factory.mktemp("qwen3_5_spec")
+    torch.manual_seed(0)
+    hf = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, tie_word_embeddings=True))
+    _perturb(hf.float())
+    hf.save_pretrained(root)
+    tok = need(TINY["llama"])  # the offline API wants a tokenizer; the prompts are token ids
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tok / f).is_file():
+            shutil.copy(tok / f, root / f)
+    return root
+
+
+def generate(path: Path, **kw) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(path), **{**KW, **kw})
+    out = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    return out, llm
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path) -> list[list[int]]:
+    out, llm = generate(model)
+    llm.shutdown()
+    return out
+
+
+def oracle(want: list[list[int]]):
+    """Drafts from the plain run's own tokens, up to 3, the second one wrong every third step:
+    verify steps that accept all, some and none of their drafts."""
+
+    def draft(req: Req, k: int) -> list[int]:
+        ids = req.input_ids.tolist()
+        i = next(i for i, p in enumerate(PROMPTS) if ids[: len(p)] == p)
+        done = len(ids) - len(PROMPTS[i])
+        tokens = want[i][done : done + min(3, k)]
+        if done % 3 == 0 and len(tokens) > 1:
+            tokens[1] = (tokens[1] + 1) % VOCAB  # the model will not agree with this one
+        return tokens
+
+    return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+
+
+def test_partly_wrong_drafts_give_the_plain_tokens(model, plain, monkeypatch) -> None:
+    monkeypatch.setattr(NgramDrafter, "propose", oracle(plain))
+    got, llm = generate(model, speculative="ngram", **SPEC)
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert 0 < spec.num_accepted < spec.num_drafted  # some drafts taken, the wrong ones not
+    assert got == plain
+
+
+def test_without_the_roll_back_the_tokens_change(model, plain, monkeypatch) -> None:
+    """The test above can fail: a verify that keeps the state after its rejected drafts."""
+    monkeypatch.setattr(NgramDrafter, "propose", oracle(plain))
+    monkeypatch.setattr(RecurrentStatePool, "keep_accepted", lambda self, batch, accepted: None)
+    got, llm = generate(model, speculative="ngram", **SPEC)
+    llm.shutdown()
+    assert got != plain
+
+
+def test_suffix_drafts_from_earlier_answers_give_the_plain_tokens(model, plain) -> None:
+    """The same prompts again, in one engine: the suffix drafter proposes the first round's
+    answers, batched, and the second round must still be the plain tokens."""
+    llm = LLM(str(model), **KW, speculative="suffix", **SPEC)
+    rounds = [
+        [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)] for _ in range(2)
+    ]
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert spec.num_accepted > 0  # the second round's drafts were taken
+    assert rounds == [plain, plain]
+
+
+def test_a_hybrid_draft_model_is_refused(model) -> None:
+    config = EngineConfig(str(model), speculative="draft", draft_model=str(model))
+    with pytest.raises(ValueError, match="linear-attention layers"):
+        check_model_files(config)
