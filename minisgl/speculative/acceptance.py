@@ -10,9 +10,10 @@ Never slower, by construction: a verify step costs r plain steps (cost.py measur
 batch size), so it pays for a request only where E >= r - 1. Before each step a request
 whose E falls short is switched off: it asks the drafter for nothing for BACKOFF tokens,
 then probes with a fresh count (its text may have changed: a chat turned into a copy). A
-probe that fails doubles the wait, one whose drafts are taken resets it. So a request whose
-drafts always miss spends a few verify steps at its start (one where a verify costs two
-plain steps), then one for each doubling of its length: on 256 tokens, five.
+probe that does not pay doubles the wait; only a verify that paid for itself (accepted at
+least r - 1 drafts) resets it. So a request whose drafts miss, or are taken too rarely to
+pay, spends a few verify steps at its start (one where a verify costs two plain steps),
+then one for each doubling of its length: on 256 tokens, five.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class Record:
     rejected: float = FRESH[1]
     off_until: int = 0  # the request drafts nothing while shorter than this
     backoff: int = BACKOFF
+    need: float = 0.0  # the gain its last drafts had to bring: r - 1 then
 
 
 class Acceptance:
@@ -68,18 +70,21 @@ class Acceptance:
         if r.off_until:  # the wait is over: a probe, from a fresh count
             r.taken, r.rejected = FRESH
             r.off_until = 0
-        if need is None or self.expected(uid, self.draft_len(uid)) >= max(need, MIN_GAIN):
+        r.need = 0.0 if need is None else max(need, MIN_GAIN)
+        if need is None or self.expected(uid, self.draft_len(uid)) >= r.need:
             return True
         r.off_until = length + r.backoff
         r.backoff = min(2 * r.backoff, MAX_BACKOFF)
         return False
 
     def record(self, uid: int, accepted: int, drafted: int) -> None:
-        """A verify took `accepted` of the request's `drafted` drafts."""
+        """A verify took `accepted` of the request's `drafted` drafts. A few taken drafts
+        do not reset the wait between probes: a chat that shares a word now and then with
+        its drafts would probe every BACKOFF tokens, at a loss each time."""
         r = self.records.setdefault(uid, Record())
         missed = accepted < drafted  # the draft after the accepted ones was wrong
         r.taken, r.rejected = DECAY * r.taken + accepted, DECAY * r.rejected + missed
-        if accepted:
+        if accepted and accepted >= r.need:  # this verify paid for itself
             r.backoff = BACKOFF
 
     def forget(self, uid: int) -> None:

@@ -15,7 +15,8 @@ the pages of rejected drafts go back, and the radix cache only ever sees accepte
 How many drafts a request proposes, and whether it proposes any, follows from its own
 measured acceptance and the measured step costs (acceptance.py, cost.py). The step is taken
 only where it is exact and pays: no grammar or log-probabilities in the batch (they take
-the plain step), at most `speculative_max_bs` requests, and at least one draft.
+the plain step), at least one draft, and at most `speculative_max_bs` requests: a bound a
+user may set; below it, what a verify costs at the batch's size, measured, decides.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Speculator:
         self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
         self.skipped: set[str] = set()  # why some batches took the plain step, said once
         self.costs = StepCosts()  # what verify and plain steps cost, measured
+        self.drained = False  # this step drained the pipeline for a verify
 
     def try_step(self, batch: Batch) -> list[TokenMsg] | None:
         """Run `batch` (a decode batch) as a verify step and return its tokens; None when
@@ -70,30 +72,45 @@ class Speculator:
         plain steps keep overlapping, and only where the host's (one step old) tokens
         already draft something worth a verify step is the pipeline drained for one."""
         began, takes, forwards = time.perf_counter(), self._takes(batch), self.num_forwards
+        self.drained = False
         out = self._try(batch) if takes else None
-        kind = "verify" if self.num_forwards > forwards else "plain"
+        kind = "verify" if self.num_forwards > forwards else "drained" if self.drained else "plain"
         self.costs.start(kind if takes else None, batch.size, now=began)  # from its beginning
         return out
 
     def _try(self, batch: Batch) -> list[TokenMsg] | None:
         s = self.scheduler
-        drafts = self._draft(batch.reqs)
+        drafts, _ = self._draft(batch.reqs)
         if not self._pays(batch.reqs, drafts):
             return None
         messages: list[TokenMsg] = []
         if s.in_flight is not None:
-            messages = s.drain()  # finished requests leave: schedule the batch again
+            stale = {r.uid: d[0] for r, d in zip(batch.reqs, drafts) if d}  # guesses of it
+            messages, self.drained = s.drain(), True  # finished requests leave: schedule again
             fresh = s.decode.schedule()
             if fresh is None:
                 return messages
             batch = fresh
             if not self._takes(batch):  # e.g. a grammar's first token came in
                 return messages + s.run(batch)
-            drafts = self._draft(batch.reqs)  # from the fresh tokens
+            drafts, ks = self._draft(batch.reqs)  # from the fresh tokens
+            self._missed(batch.reqs, drafts, ks, stale)
         drafts = self._fit(drafts, batch.reqs)
         if not self._pays(batch.reqs, drafts):  # not after all: a plain step
             return messages + s.run(batch)
         return messages + self._verify(batch.reqs, drafts)
+
+    def _missed(
+        self, reqs: list[Req], drafts: list[list[int]], ks: list[int], stale: dict[int, int]
+    ) -> None:
+        """A request whose stale drafts drained the pipeline, whose first draft was not the
+        token that came in, and whose fresh tokens draft nothing: a drain for nothing, as
+        dear as a verify that takes no draft, and counted as one. Otherwise such drains
+        would never reach the switch-off, which learns only from verifies."""
+        for req, draft, k in zip(reqs, drafts, ks):
+            guess = stale.get(req.uid)
+            if k and not draft and guess is not None and guess != int(req.input_ids[-1]):
+                self.acceptance.record(req.uid, 0, 1)
 
     def _pays(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
         """Whether these drafts are worth a verify step: the drafts each request is expected
@@ -139,10 +156,10 @@ class Speculator:
             logger.info("speculative decoding: plain steps for batches where %s", reason)
         return False
 
-    def _draft(self, reqs: list[Req]) -> list[list[int]]:
-        """Each request's drafts: as many as its acceptance earns, fewer near its length
-        limit, none while it is switched off or with penalties (they change with every
-        token: see verify.py)."""
+    def _draft(self, reqs: list[Req]) -> tuple[list[list[int]], list[int]]:
+        """Each request's drafts and how many it asked for: as many as its acceptance earns,
+        fewer near its length limit, none while it is switched off or with penalties (they
+        change with every token: see verify.py)."""
         a = self.acceptance
         need = None if self.always else self.costs.ratio(len(reqs)) - 1  # gain, to go on
         ks = [
@@ -151,7 +168,7 @@ class Speculator:
             else 0
             for r in reqs
         ]
-        return self.drafter.propose(reqs, ks)
+        return self.drafter.propose(reqs, ks), ks
 
     def rate(self, uid: int) -> float:
         """The share of a request's drafts accepted so far (a fresh request starts at 0.8)."""
@@ -174,6 +191,21 @@ class Speculator:
     def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[TokenMsg]:
         s = self.scheduler
         engine, pool = s.engine, s.engine.token_pool
+        after = self._place(reqs, drafts)
+        batch = Batch(reqs, "verify")
+        self.num_forwards += 1
+        accepted, final = s.forward(
+            batch, lambda: accept_drafts(engine.logits(batch), reqs, drafts, pool)
+        )
+        if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch29]
+            engine.state_pool.keep_accepted(batch, accepted)  # [ch29]
+        accepted_h, final_h = self._read_back(accepted, final, after)
+        return self._emit(reqs, drafts, accepted_h, final_h)
+
+    def _place(self, reqs: list[Req], drafts: list[list[int]]) -> torch.Tensor:
+        """The drafts into the token pool, after each request's last token; the place of
+        each request's first draft comes back, on the device."""
+        pool = self.scheduler.engine.token_pool
         width, device = pool.size(1), pool.device
         places = [
             r.table_idx * width + r.device_len + j
@@ -185,24 +217,32 @@ class Speculator:
         n = len(places)  # one copy to the device for the three
         host = to_device(places + tokens + after, device, torch.int64)
         where, tokens_d, after_d = host.split([n, n, len(reqs)])
-        pool.put_(where, tokens_d.to(torch.int32))  # the drafts, after each request's last token
+        pool.put_(where, tokens_d.to(torch.int32))
         for req, draft in zip(reqs, drafts):
             req.device_len += len(draft)
-        batch = Batch(reqs, "verify")
-        self.num_forwards += 1
-        accepted, final = s.forward(
-            batch, lambda: accept_drafts(engine.logits(batch), reqs, drafts, pool)
-        )
-        if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch29]
-            engine.state_pool.keep_accepted(batch, accepted)  # [ch29]
-        # The token after the accepted drafts takes the place of the first rejected one.
-        pool.put_(after_d + accepted, final)
+        return after_d
+
+    def _read_back(
+        self, accepted: torch.Tensor, final: torch.Tensor, after: torch.Tensor
+    ) -> tuple[list[int], list[int]]:
+        """The token after the accepted drafts takes the place of the first rejected one;
+        the accepted counts and those tokens come to the host, which waits for them."""
+        pool = self.scheduler.engine.token_pool
+        pool.put_(after + accepted, final)
         both = to_host(torch.stack([accepted, final.long()]))
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()  # the host needs them now
+        if pool.device.type == "cuda":
+            torch.cuda.current_stream(pool.device).synchronize()  # the host needs them now
         accepted_h, final_h = both.tolist()
+        return accepted_h, final_h
+
+    def _emit(
+        self, reqs: list[Req], drafts: list[list[int]], accepted: list[int], final: list[int]
+    ) -> list[TokenMsg]:
+        """Each request's accepted drafts and the model's token, through the scheduler's
+        `emit`; its lengths cover only those, and the pages past them go back."""
+        s = self.scheduler
         messages = []
-        for req, draft, n, token in zip(reqs, drafts, accepted_h, final_h):
+        for req, draft, n, token in zip(reqs, drafts, accepted, final):
             self._count(req.uid, n, len(draft))
             req.cached_len += 1 + n  # its last token and the accepted drafts
             req.device_len = req.cached_len + 1

@@ -1,0 +1,302 @@
+"""When speculation pays: the step costs the engine measures, and the decisions made from them.
+
+The step costs are driven here with simulated clocks (StepCosts takes explicit `now`
+values): a model of the overlap scheduler's pipeline gives the interval of every step, and
+the truth to check against is the whole run's time with and without the verify steps. Then
+the decisions: a bucket where a verify costs too much stops speculating within a few steps,
+one where it pays keeps on, a bucket declined RETRY times measures again; a request whose
+probes take a draft now and then still backs off; a drain for drafts that come to nothing
+reaches the switch-off. The engine runs last, on the tiny model with a simulated clock: a
+batch of four speculates where the verify is cheap and stops where it is dear, and its
+tokens are plain decoding's either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers import TINY, need
+
+import minisgl.speculative.step as step_module
+from minisgl.core import Req, SamplingParams
+from minisgl.llm import LLM
+from minisgl.speculative.acceptance import Acceptance
+from minisgl.speculative.cost import PRIOR, RETRY, StepCosts
+from minisgl.speculative.ngram import NgramDrafter
+
+
+@dataclass
+class Pipeline:
+    """An overlap scheduler's timeline, step by step: the host's clock and the device's.
+
+    A plain step launches its forward (host work `launch`), then processes the step before
+    it (waits for the device, then host work `process`); the device runs the forwards in
+    order, `device` each. A verify drafts, drains the step in flight (waits, processes),
+    prepares its batch, waits for its own forward (`verify_device`) and accepts
+    (`accept`). A "drained" step drafts, drains, drafts again and launches a plain step
+    that stays in flight. Without overlap a plain step waits for its own forward."""
+
+    device: float = 1.0
+    launch: float = 0.3
+    process: float = 0.2
+    draft: float = 0.1
+    prepare: float = 0.4
+    verify_device: float = 1.2
+    accept: float = 0.3
+    overlap: bool = True
+    host: float = 0.0  # the host's clock
+    free: float = 0.0  # when the device has finished everything queued
+    flight: float | None = None  # when the step in flight finishes
+
+    def run(self, kind: str) -> float:
+        """One step of `kind`; the host's clock when the next step may start."""
+        if kind != "plain":
+            self.host += self.draft
+            self.drain()
+            if kind == "drained":
+                self.host += self.draft
+        if kind == "verify":
+            self.host += self.prepare
+            self.free = max(self.free, self.host) + self.verify_device
+            self.host = self.free + self.accept
+            return self.host
+        self.host += self.launch
+        self.free = max(self.free, self.host) + self.device
+        launched = self.free
+        if self.overlap:
+            self.drain()
+            self.flight = launched
+        else:
+            self.host = launched + self.process
+        return self.host
+
+    def drain(self) -> None:
+        if self.flight is not None:
+            self.host = max(self.host, self.flight) + self.process
+            self.flight = None
+
+
+def drive(
+    costs: StepCosts, pipe: Pipeline, kinds: list[str], ratios: list[float] | None = None
+) -> float:
+    """The steps through the pipeline, each one's start told to `costs` (and the ratio it
+    gives after it to `ratios`); the total time."""
+    for kind in kinds:
+        costs.start(kind, 1, now=pipe.host)
+        pipe.run(kind)
+        if ratios is not None:
+            ratios.append(costs.ratio(1))
+    costs.start(None, 1, now=pipe.host)
+    pipe.drain()  # the last step's tokens too
+    return pipe.host
+
+
+def true_ratio(kinds: list[str], **pipe: float | bool) -> float:
+    """What a verify costs in plain steps, from whole runs: the time the run with verify
+    steps (and drains for nothing) takes beyond the same number of plain steps, per
+    verify, plus the plain step it replaces."""
+    with_verify = drive(StepCosts(), Pipeline(**pipe), kinds)
+    plain_only = drive(StepCosts(), Pipeline(**pipe), ["plain"] * len(kinds))
+    per_step = plain_only / len(kinds)
+    return 1 + (with_verify - plain_only) / kinds.count("verify") / per_step
+
+
+PATTERNS = {
+    "one verify every 5 steps": (["plain"] * 4 + ["verify"]) * 40,
+    "runs of 3 verifies in 8 steps": (["plain"] * 5 + ["verify"] * 3) * 25,
+    "a drain for nothing before each verify": (["plain"] * 3 + ["drained", "verify"]) * 40,
+}
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_a_verify_is_charged_with_the_pipeline_it_drains_and_refills(pattern, overlap) -> None:
+    kinds, ratios = ["plain"] * 10 + PATTERNS[pattern] + ["plain"] * 5, []
+    drive(StepCosts(), Pipeline(overlap=overlap), kinds, ratios)
+    truth = true_ratio(kinds, overlap=overlap)
+    # The moving average of a periodic pattern depends on where in the period it is read:
+    # its mean over the last periods is the estimate.
+    estimate = sum(ratios[-100:]) / 100
+    assert estimate == pytest.approx(truth, rel=0.03), (estimate, truth)
+    if overlap and pattern.startswith("one verify"):
+        # Each kind's intervals alone (the verify's holds the wait for the step it drained,
+        # the plain ones the short and long steps that refill the pipeline) are far off.
+        pipe, spent = Pipeline(), {"plain": [], "verify": []}
+        for kind in kinds:
+            began = pipe.host
+            spent[kind].append(pipe.run(kind) - began)
+        naive = [sum(spent[k][-40:]) / len(spent[k][-40:]) for k in ("verify", "plain")]
+        assert naive[0] / naive[1] > 1.3 * truth
+
+
+def decide(costs: StepCosts, pipe: Pipeline, bs: int, gain: float, steps: int) -> list[int]:
+    """`steps` steps of a batch of bs requests whose drafts are expected to add `gain`
+    tokens: a verify wherever the measured costs say it pays. The steps that verified."""
+    verified = []
+    for i in range(steps):
+        kind = "verify" if costs.pays(bs, gain) else "plain"
+        costs.start(kind, bs, now=pipe.host)
+        pipe.run(kind)
+        if kind == "verify":
+            verified.append(i)
+    return verified
+
+
+def test_a_bucket_where_a_verify_costs_too_much_stops_within_a_few_steps() -> None:
+    # Batch 4, 5 drafts expected in all: 9 tokens a verify. The prior (2 plain steps) says
+    # it pays; measured, a verify costs about 3.5 plain steps (14 request-steps > 9 tokens).
+    pipe, costs = Pipeline(verify_device=2.5, prepare=0.6), StepCosts()
+    verified = decide(costs, pipe, 4, 5.0, 200)
+    assert costs.ratio(4) > 3.0
+    assert 2 <= len([i for i in verified if i < RETRY]) <= 4
+    assert verified[-3:] == [i for i in verified if i >= RETRY][-3:]  # only the retries after
+    later = [i for i in verified if i >= 10]
+    assert all(b - a >= RETRY for a, b in zip(later, later[1:]))  # one per RETRY declines
+
+
+def test_a_bucket_where_a_verify_pays_keeps_speculating() -> None:
+    # The same batch where a verify costs about 1.5 plain steps: 9 tokens for 6 request-steps.
+    pipe, costs = Pipeline(verify_device=0.5, prepare=0.2, accept=0.1), StepCosts()
+    verified = decide(costs, pipe, 4, 5.0, 200)
+    assert costs.ratio(4) < 2.0
+    assert len(verified) >= 180  # a few plain steps now and then, to measure them again
+    assert costs.ratio(1) == PRIOR  # another bucket: nothing measured there
+
+
+def test_a_declined_bucket_measures_again_and_follows_a_cheaper_verify() -> None:
+    pipe, costs = Pipeline(verify_device=2.5, prepare=0.6), StepCosts()
+    decide(costs, pipe, 8, 9.0, 100)  # 17 tokens a verify, which costs ~3.5 plain steps
+    dear = costs.ratio(8)
+    assert dear > 2.5
+    pipe.verify_device, pipe.prepare = 0.3, 0.1  # e.g. the workload's batches got cheaper
+    verified = decide(costs, pipe, 8, 9.0, 12 * RETRY)
+    assert costs.ratio(8) < dear / 2
+    # Each retry moves the average a fifth of the way: a few retries, then it speculates.
+    back = next(i for i, j in zip(verified, verified[1:]) if j - i == 1)
+    assert back < 6 * RETRY
+    assert len([i for i in verified if i >= back]) > 0.9 * (12 * RETRY - back)
+
+
+def test_a_probe_that_takes_a_draft_now_and_then_still_backs_off() -> None:
+    # A verify costing 3.2 plain steps (the H200 at batch 1): a probe must take 2.2 drafts
+    # to pay. Taking one draft each time, the request probes as rarely as one whose drafts
+    # all miss (the waits double), not every 16 tokens.
+    acceptance, verifies = Acceptance(8), []
+    for length in range(256):
+        if acceptance.proposes(0, length, 2.2):
+            acceptance.record(0, 1, acceptance.draft_len(0))
+            verifies.append(length)
+    assert verifies == [0, 17, 50, 115, 244]
+    # A probe that paid for itself resets the wait.
+    acceptance = Acceptance(8)
+    assert acceptance.proposes(0, 0, 2.2)
+    acceptance.record(0, 0, 8)
+    assert not acceptance.proposes(0, 1, 2.2)  # switched off for 16 tokens
+    assert acceptance.proposes(0, 17, 2.2)
+    acceptance.record(0, 3, 8)  # 3 >= 2.2: it paid
+    assert acceptance.records[0].backoff == 16
+
+
+KW = dict(dtype=torch.float32, device="cpu", max_running_req=4, max_seq_len_override=160)
+PARAMS = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def prompts(n: int = 4, length: int = 12) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 1000, (n, length), generator=gen).tolist()
+
+
+def half_right(want: list[list[int]]):
+    """Drafts from a plain run's output with the second one wrong: one taken per verify."""
+
+    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(reqs, ks):
+            ids = req.input_ids.tolist()
+            i = prompts().index(ids[:12])
+            draft = want[i][len(ids) - 12 :][:k]
+            out.append(draft[:1] + [(t + 1) % 1000 for t in draft[1:]])
+        return out
+
+    return propose
+
+
+def run(monkeypatch: pytest.MonkeyPatch, verify_cost: float, want: list[list[int]]) -> tuple:
+    """Greedy tokens of the four prompts as one batch, with drafts one of which is taken
+    per verify and the speculator's clock simulated: a plain step costs 1, a verify step
+    `verify_cost`."""
+    monkeypatch.setattr(NgramDrafter, "propose", half_right(want))
+    clock = [0.0]
+    fake = type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])})
+    monkeypatch.setattr(step_module, "time", fake)
+    llm = LLM(str(need(TINY["llama"])), **KW, speculative="ngram")
+    sched, spec = llm.scheduler, llm.scheduler.spec
+    step = sched.step
+
+    def timed() -> list:
+        forwards = spec.num_forwards
+        out = step()
+        clock[0] += verify_cost if spec.num_forwards > forwards else 1.0
+        return out
+
+    sched.step = timed
+    out = [o["token_ids"] for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
+    sched.check_integrity()
+    llm.shutdown()
+    return out, spec
+
+
+def test_a_batch_of_four_speculates_where_it_pays_and_stops_where_it_does_not(monkeypatch):
+    """The default bound (8) lets a batch of four speculate; the measured costs decide.
+    With one draft taken per verify (2 tokens per request), a verify pays where it costs
+    1.2 plain steps and not where it costs 8."""
+    llm = LLM(str(need(TINY["llama"])), **KW)
+    want = [o["token_ids"] for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
+    llm.shutdown()
+    cheap_out, cheap = run(monkeypatch, 1.2, want)
+    dear_out, dear = run(monkeypatch, 8.0, want)
+    assert cheap_out == want and dear_out == want
+    assert cheap.costs.ratio(4) == pytest.approx(1.2) and dear.costs.ratio(4) == pytest.approx(8)
+    assert cheap.num_forwards >= 14  # 2 tokens each: at most 20 in 40 tokens
+    assert dear.num_forwards <= 4  # the two that measure, and the prior's first
+    assert cheap.num_accepted == cheap.num_steps  # one draft taken per request and verify
+
+
+def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch) -> None:
+    """With overlap, the drafter here proposes a wrong token from the stale text (an even
+    length) and nothing from the fresh (odd): every drain ends in a plain step. Counted as
+    misses, they switch the request off; the tokens stay plain decoding's."""
+    from minisgl.env import ENV
+
+    one = prompts(1)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    llm = LLM(str(need(TINY["llama"])), **KW)
+    want = llm.generate(one, params, use_tqdm=False)[0]["token_ids"]
+    llm.shutdown()
+    asked: list[int] = []
+
+    def wrong_when_stale(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+        out = []
+        for req, k in zip(reqs, ks):
+            done = req.seq_len - len(one[0])
+            if k and req.seq_len % 2 == 0 and done < len(want):
+                asked.append(req.seq_len)
+                out.append([(want[done] + 1) % 1000] * k)  # not the token in flight
+            else:
+                out.append([])
+        return out
+
+    monkeypatch.setattr(NgramDrafter, "propose", wrong_when_stale)
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    llm = LLM(str(need(TINY["llama"])), **KW, speculative="ngram")
+    got = llm.generate(one, params, use_tqdm=False)[0]["token_ids"]
+    spec = llm.scheduler.spec
+    llm.scheduler.check_integrity()
+    llm.shutdown()
+    assert got == want and llm.scheduler.overlap
+    assert spec.num_forwards == 0  # never a verify: every drain came to nothing
+    assert ("drained", 1) in spec.costs.seen
+    # Without the misses the request drafts at every other step, 24 times in 48 tokens.
+    assert 1 <= len(asked) <= 6, asked
