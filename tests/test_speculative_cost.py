@@ -8,16 +8,19 @@ one where it pays keeps on, a bucket declined RETRY times measures again; a requ
 probes take a draft now and then still backs off; a drain for drafts that come to nothing
 reaches the switch-off. The engine runs last, on the tiny model with a simulated clock: a
 batch of four speculates where the verify is cheap and stops where it is dear, and its
-tokens are plain decoding's either way.
+tokens are plain decoding's either way. And tools/bench_verify_cost.py, which measures what
+these tests simulate, runs on the CPU.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import TINY, need
+from helpers import TINY, need, run_tool
 
 import minisgl.speculative.step as step_module
 from minisgl.core import Req, SamplingParams
@@ -300,3 +303,34 @@ def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch
     assert ("drained", 1) in spec.costs.seen
     # Without the misses the request drafts at every other step, 24 times in 48 tokens.
     assert 1 <= len(asked) <= 6, asked
+
+
+def test_the_verify_cost_tool_prints_the_curve_the_timeline_and_the_kernels(tmp_path) -> None:
+    """tools/bench_verify_cost.py on the tiny model: every (batch, k) of the curve, a host
+    timeline per batch, the profiler's table; the times are times (positive)."""
+    out = tmp_path / "cost.json"
+    args = ["--model", str(need(TINY["llama"])), "--device", "cpu", "--ks", "1,3"]
+    args += ["--batches", "1,2", "--steps", "4", "--rounds", "1", "--timeline-k", "3"]
+    done = run_tool("bench_verify_cost.py", *args, "--profile", "--output-json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "| batch | drafts k | decode ms | verify ms |" in done.stdout
+    result = json.loads(out.read_text())
+    curve = result["curve"]
+    assert [(r["batch"], r["k"]) for r in curve] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    for r in curve:
+        assert r["decode_ms"] > 0 and r["verify_ms"] > 0 and r["ratio"] > 0
+        assert r["engine_ratio"] > 0 and math.isfinite(r["among_ms"])
+        assert f"| {r['batch']} | {r['k']} | {r['decode_ms']:.3f} |" in done.stdout
+    assert sorted(result["timeline"]) == ["1", "2"]
+    for table in result["timeline"].values():
+        assert len(table) == 14  # ten phases, the rest, the step, outside it, the interval
+        assert table["acceptance (launched)"]["verify"] > 0 and table["drafting"]["verify"] > 0
+        assert table["sampling (launched)"]["decode"] > 0
+        assert table["acceptance (launched)"]["decode"] == 0  # a decode step has none
+        for sides in table.values():
+            assert all(ms >= 0 for ms in sides.values()), table
+        for side in ("verify", "decode"):
+            assert table["interval between steps"][side] >= table["the step"][side] > 0
+    kernels = result["kernels"]
+    assert kernels[0]["name"] == "all" and len(kernels) > 3
+    assert kernels[0]["verify_ms"] > 0 and kernels[0]["decode_ms"] > 0
