@@ -18,7 +18,6 @@ PROMPTS = [
     CODE + "Rewrite the function above with a docstring:\n" + CODE,
 ]
 KW = dict(dtype=torch.float32, max_running_req=4, num_page_override=512, max_seq_len_override=256)
-KW["speculative_max_bs"] = 4  # the three prompts speculate as one batch (the default is 1)
 PARAMS = SamplingParams(max_tokens=32, ignore_eos=True)
 
 
