@@ -164,7 +164,7 @@ def test_a_bucket_where_a_verify_pays_keeps_speculating() -> None:
     pipe, costs = Pipeline(verify_device=0.5, prepare=0.2, accept=0.1), StepCosts()
     verified = decide(costs, pipe, 4, 5.0, 200)
     assert costs.ratio(4) < 2.0
-    assert len(verified) >= 180  # a few plain steps now and then, to measure them again
+    assert len(verified) >= 190
     assert costs.ratio(1) == PRIOR  # another bucket: nothing measured there
 
 

@@ -23,8 +23,9 @@ costs nothing and the charge is the verify's interval.
 
 Until a bucket has both costs, a verify is assumed to cost PRIOR plain steps. The
 measurements follow the workload: a bucket where verifying stopped paying verifies again
-after RETRY declined batches, and one that verified RETRY times since its plain cost was
-last measured (or has it from no plain step) takes plain steps until it is.
+after RETRY declined batches, and one that verified REMEASURE times since its plain cost
+was last measured (or has none) takes plain steps until it is: REFILL + 1 in a row, since
+the ones that refill the pipeline are not a plain step's cost.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 PRIOR = 2.0  # verify / plain step cost where not measured yet
 RETRY = 64  # declined verify steps in a bucket before one is run anyway, to measure again
+REMEASURE = 256  # verify steps in a bucket before plain steps are taken, to measure them again
 WEIGHT = 0.2  # of the newest cost in the moving average
 REFILL = 2  # plain steps after a verify whose difference from a plain step is the verify's
 WAIT = 4.0  # an interval this many times its kind's average: the scheduler waited for work
@@ -86,7 +88,7 @@ class StepCosts:
             self._commit()
             charge = None
         if kind == "verify":
-            self.since_plain[b] = self.since_plain.get(b, RETRY) + 1
+            self.since_plain[b] = self.since_plain.get(b, REMEASURE) + 1
             verify = self.seconds.get(("verify", b))
             waited = verify is not None and spent > WAIT * verify
             self._charge = Charge(
@@ -128,7 +130,7 @@ class StepCosts:
         step; a bucket declined RETRY times in a row gets one verify step to measure, and
         one whose plain cost is missing or old measures it first."""
         b = bucket(bs)
-        if ("verify", b) in self.seconds and self.since_plain.get(b, RETRY) >= RETRY:
+        if ("verify", b) in self.seconds and self.since_plain.get(b, REMEASURE) >= REMEASURE:
             return False
         if bs + expected >= bs * self.ratio(bs):
             self.declined[b] = 0
