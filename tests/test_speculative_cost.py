@@ -149,18 +149,17 @@ def decide(costs: StepCosts, pipe: Pipeline, bs: int, gain: float, steps: int) -
 
 def test_a_bucket_where_a_verify_costs_too_much_stops_within_a_few_steps() -> None:
     # Batch 4, 5 drafts expected in all: 9 tokens a verify. The prior (2 plain steps) says
-    # it pays; measured, a verify costs about 3.5 plain steps (14 request-steps > 9 tokens).
+    # it pays; measured, a verify costs about 3.6 plain steps (14 request-steps > 9 tokens).
     pipe, costs = Pipeline(verify_device=2.5, prepare=0.6), StepCosts()
     verified = decide(costs, pipe, 4, 5.0, 200)
     assert costs.ratio(4) > 3.0
     assert 2 <= len([i for i in verified if i < RETRY]) <= 4
-    assert verified[-3:] == [i for i in verified if i >= RETRY][-3:]  # only the retries after
     later = [i for i in verified if i >= 10]
     assert all(b - a >= RETRY for a, b in zip(later, later[1:]))  # one per RETRY declines
 
 
 def test_a_bucket_where_a_verify_pays_keeps_speculating() -> None:
-    # The same batch where a verify costs about 1.5 plain steps: 9 tokens for 6 request-steps.
+    # The same batch where verifies back to back cost 0.9 plain steps (nothing to drain).
     pipe, costs = Pipeline(verify_device=0.5, prepare=0.2, accept=0.1), StepCosts()
     verified = decide(costs, pipe, 4, 5.0, 200)
     assert costs.ratio(4) < 2.0
@@ -183,9 +182,9 @@ def test_a_declined_bucket_measures_again_and_follows_a_cheaper_verify() -> None
 
 
 def test_a_probe_that_takes_a_draft_now_and_then_still_backs_off() -> None:
-    # A verify costing 3.2 plain steps (the H200 at batch 1): a probe must take 2.2 drafts
-    # to pay. Taking one draft each time, the request probes as rarely as one whose drafts
-    # all miss (the waits double), not every 16 tokens.
+    # A verify costing 3.2 plain steps: a probe must take 2.2 drafts to pay. Taking one
+    # draft each time, the request probes as rarely as one whose drafts all miss (the waits
+    # double), not every 16 tokens.
     acceptance, verifies = Acceptance(8), []
     for length in range(256):
         if acceptance.proposes(0, length, 2.2):
