@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -71,9 +72,9 @@ class RecurrentStatePool:
             dtype=torch.float32,
             device=device,
         )
-        # A verify step's record, by linear layer: (the conv's inputs [reqs, C, K - 1 + T],
-        # the state after each token [reqs, T, heads, dk, dv]), until `keep_accepted`.
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        # A verify step's roll back, by linear layer (its forward leaves the slots as they
+        # were): each takes the drafts accepted and writes the slots, in `keep_accepted`.
+        self.kept: dict[int, Callable[[torch.Tensor], None]] = {}
 
     @property
     def bytes(self) -> int:
@@ -104,18 +105,10 @@ class RecurrentStatePool:
 
     def keep_accepted(self, batch: Batch, accepted: torch.Tensor) -> None:
         """After a verify step, each request's state as if only its last token and its
-        `accepted` [reqs] drafts had been run (on the device, no wait): the SSM state after
-        that many tokens, and the conv's last K - 1 inputs up to the same token."""
-        if not self.kept:
-            return
-        slots, n = batch.state_slots[: batch.size], batch.size
-        rows = torch.arange(n, device=self.device)
-        for layer, (inputs, states) in self.kept.items():
-            self.ssm[layer, slots] = states[rows, accepted[:n]]
-            width = self.conv.size(-1)  # K - 1: columns t + 1 .. t + K - 1 end at token t
-            last = accepted[:n, None] + 1 + torch.arange(width, device=self.device)
-            window = inputs[:n].gather(2, last[:, None, :].expand(-1, inputs.size(1), -1))
-            self.conv[layer, slots] = window.to(self.conv.dtype)
+        `accepted` [reqs] drafts had been run: every linear layer replays those tokens from
+        the state before the verify (layers/gated_deltanet.py `_roll_back`)."""
+        for roll_back in self.kept.values():
+            roll_back(accepted)
         self.kept.clear()
 
     def graph_buffers(self, num_reqs: int, dummy_req: Req) -> tuple[torch.Tensor, torch.Tensor]:

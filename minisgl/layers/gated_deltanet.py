@@ -89,12 +89,10 @@ def delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    every: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gated delta rule, token by token, in float32. q, k: [B, T, H, dk] (normalised,
     one per value head), v: [B, T, H, dv], g, beta: [B, T, H], state: [B, H, dk, dv].
-    Returns (output [B, T, H, dv], the state after the last token); `every`, if given,
-    gets the state after each token (a verify step rolls back to one of them)."""
+    Returns (output [B, T, H, dv], the state after the last token)."""
     out = torch.empty_like(v)
     for t in range(q.size(1)):
         state = state * g[:, t].exp()[..., None, None]
@@ -102,8 +100,6 @@ def delta_rule(
         delta = (v[:, t] - read) * beta[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         out[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t], state)
-        if every is not None:
-            every.append(state)
     return out, state
 
 
@@ -231,27 +227,29 @@ class GatedDeltaNet(nn.Module):
             return out.index_copy_(0, places, t).view(reqs, longest, *t.shape[1:])
 
         weight = self.conv1d.weight.squeeze(1)
-        x, conv_before = padded(qkv), conv[slots]
+        x, conv_before, g, beta = padded(qkv), conv[slots], padded(g), padded(beta)
         mixed, conv_after = causal_conv(x, conv_before, weight, lengths)
-        every = [] if batch.phase == "verify" else None  # the state after each draft
-        o, ssm_after = self._recur(mixed, padded(g), padded(beta), ssm[slots], every)
-        conv[slots], ssm[slots] = conv_after.to(conv.dtype), ssm_after
-        if every is not None:  # what the speculator rolls back to (state_pool.keep_accepted)
+        q, k, v = self._heads(mixed)
+        rule = delta_rule if x.size(1) == 1 else chunk_delta_rule
+        o, ssm_after = rule(q, k, v, g, beta, ssm[slots])
+        if batch.phase == "verify":  # the slots keep the state before it, for the roll back
             inputs = torch.cat([conv_before.to(x.dtype), x.transpose(1, 2)], dim=-1)
-            pool.kept[self.index] = (inputs, torch.stack(every, dim=1))
+            pool.kept[self.index] = lambda accepted: self._roll_back(
+                pool, slots[: batch.size], inputs, k, v, g, beta, accepted
+            )
+        else:
+            conv[slots], ssm[slots] = conv_after.to(conv.dtype), ssm_after
         o = o.flatten(0, 1)
         o = o if places is None else o.index_select(0, places)
         o = o.to(qkv.dtype)
         return self.norm(o, z.view_as(o))
 
-    def _recur(
+    def _heads(
         self,
         mixed: torch.Tensor,  # [B, T, conv_dim]: q, k, v after the conv
-        g: torch.Tensor,  # [B, T, value heads]
-        beta: torch.Tensor,
-        state: torch.Tensor,
-        every: list[torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (scaled), k: [B, T, value heads, dk], L2-normed in fp32, each q/k head repeated
+        for the value heads that read it; v: [B, T, value heads, dv]."""
         s = self.shape
         reqs, n = mixed.shape[:2]
         key_dim = s.num_key_heads * s.key_head_dim
@@ -263,10 +261,27 @@ class GatedDeltaNet(nn.Module):
             )
             for t in (q, k)
         )
-        v = v.reshape(reqs, n, s.num_value_heads, s.value_head_dim)
-        if every is not None or n == 1:
-            return delta_rule(q * s.key_head_dim**-0.5, k, v, g, beta, state, every)
-        return chunk_delta_rule(q * s.key_head_dim**-0.5, k, v, g, beta, state)
+        return q * s.key_head_dim**-0.5, k, v.reshape(reqs, n, s.num_value_heads, -1)
+
+    def _roll_back(
+        self, pool: RecurrentStatePool, slots: torch.Tensor, inputs: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+        accepted: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """After a verify step (whose forward left the slots as they were): each request's
+        state after its last token and its `accepted` [reqs] drafts, from the verify's own
+        k, v, g and beta, the tokens after them masked out (g = 0, beta = 0 leave the state
+        as it is); the conv's state is its last K - 1 inputs up to the same token. On the
+        device, without a wait: the verify's extra cost is one more pass of the rule."""
+        n = slots.size(0)
+        steps = torch.arange(k.size(1), device=k.device)
+        keep = (steps[None, :] <= accepted[:n, None]).float()[..., None]  # [reqs, T, 1]
+        ssm, conv = pool.ssm[self.index], pool.conv[self.index]
+        _, state = delta_rule(k[:n], k[:n], v[:n], g[:n] * keep, beta[:n] * keep, ssm[slots])
+        ssm[slots] = state
+        last = accepted[:n, None] + 1 + torch.arange(conv.size(-1), device=k.device)
+        window = inputs[:n].gather(2, last[:, None, :].expand(-1, inputs.size(1), -1))
+        conv[slots] = window.to(conv.dtype)
 
     def _kernels(
         self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
