@@ -222,18 +222,20 @@ def windows(shape: EngineShape) -> list[int | None]:
 
 def backend_for(shape: EngineShape, cls: type[BaseAttnBackend]) -> type[BaseAttnBackend]:
     """`cls`, if it can read the pool; else, for `--attn auto`, the first backend that can
-    (our Triton kernels where they run, torch elsewhere), and for a backend asked for by
-    name a ValueError that says why not."""
+    (our Triton kernels on a GPU, torch elsewhere), and for a backend asked for by name a
+    ValueError that says why not."""
     groups = layout_of(shape).groups
     if len({(g.kv_heads, g.head_dim) for g in groups}) <= 1 or cls.name in READS_GROUPS:
         return cls
-    from minisgl.attention.registry import select_backend
+    from minisgl.attention.registry import BACKENDS, select_backend
 
     dims = " and ".join(f"{g.kv_heads} x {g.head_dim}" for g in groups)
     why = f"it takes one KV geometry, and {shape.model_config.architecture}'s layers have {dims}"
     if shape.config.attention_backend != "auto":
         raise ValueError(f"attention backend {cls.name!r} cannot run here: {why}")
     for name in READS_GROUPS:
+        if shape.device.type not in BACKENDS[name].auto_devices:
+            continue
         try:
             fp8 = shape.kv_dtype == torch.float8_e4m3fn
             chosen = select_backend(name, shape.device, shape.dtype, shape.page_size, fp8_kv=fp8)
