@@ -24,7 +24,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY, Driver, all_logits, make_engine, need
+import torch.multiprocessing as mp
+from helpers import TINY, Driver, all_logits, free_port, make_engine, need
 from safetensors.torch import save_file
 
 from minisgl.attention.fi import FlashInferBackend
@@ -203,6 +204,46 @@ def test_served_greedy_equals_transformers(folders, name: str) -> None:
     llm.shutdown()
     assert first == want
     assert again == want[::-1]
+
+
+# ---- tensor parallelism: two ranks over gloo equal one ----------------------------------
+
+
+def tp_rank(paths: list[Path], ports: list[int], rank: int, results: Any) -> None:
+    """Rank `rank` of two: each model's teacher-forced logits (rank 0 reports them)."""
+    torch.set_num_threads(1)
+    for path, port in zip(paths, ports):
+        engine = make_engine(path, page_size=4, tp_size=2, tp_rank=rank,
+                             dist_init_addr=f"127.0.0.1:{port}")  # fmt: skip
+        try:
+            logits = teacher_forced(engine, token_ids(0, 24))
+        finally:
+            engine.shutdown()
+        if rank == 0:
+            results.put((path.name, logits.numpy()))
+
+
+def test_tp2_logits_equal_tp1(folders) -> None:
+    """Over two ranks the one KV head (E2B-like) and the K=V full layers' one KV head
+    (26B-A4B-like) are held whole by both ranks, every other projection and the experts cut
+    in two: the logits are one rank's."""
+    paths = [folders["e2b"], folders["a4b"]]
+    ctx = mp.get_context("spawn")
+    queue, ports = ctx.Queue(), [free_port() for _ in paths]
+    ranks = [ctx.Process(target=tp_rank, args=(paths, ports, r, queue)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=300) for _ in paths)
+    finally:
+        for p in ranks:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+    for path in paths:
+        want = teacher_forced(make_engine(path, page_size=4), token_ids(0, 24))
+        assert (torch.from_numpy(got[path.name]) - want).abs().max().item() <= TOL
 
 
 # ---- our Triton kernels with head_dim 512 against the torch backend ----------------------
