@@ -37,15 +37,13 @@ from minisgl.layers.embedding import VocabEmbedding
 from minisgl.layers.fused_moe import use_fused_moe
 from minisgl.layers.linear import Linear
 from minisgl.layers.moe import Experts
-from minisgl.layers.rotary import RotaryEmbedding, get_rope
+from minisgl.layers.rotary import get_rope
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig, MoEConfig
 from minisgl.models.families import FULL, kv_pool_layers, kv_shape, kv_source, layer_rope
 from minisgl.models.gemma3 import Gemma3MLP, GemmaRMSNorm, SoftCappedLMHead
 
-_ATTN_TENSOR = re.compile(
-    r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|k_norm|v_norm)\."
-)
+_ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|k_norm|v_norm)\.")
 
 
 class Gemma4RMSNorm(GemmaRMSNorm):
@@ -73,24 +71,19 @@ class Gemma4AttentionLayer(nn.Module):
     queries alone (a KV-shared one). Not an AttentionLayer: the kernel plan's fused paths
     know neither."""
 
-    def __init__(
-        self,
-        pool_layer: int,
-        heads: int,
-        kv_heads: int,
-        head_dim: int,
-        rotary: RotaryEmbedding,
-        eps: float,
-    ) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, shared: bool) -> None:
         super().__init__()
-        self.layer_id = (
-            pool_layer  # where its keys are in the pool (a KV-shared layer: its source's)
-        )
-        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.rotary = rotary
-        self.q_norm = Gemma4RMSNorm(head_dim, eps)
-        self.k_norm = Gemma4RMSNorm(head_dim, eps)
-        self.v_norm = UnscaledRMSNorm(eps)
+        c = config
+        kv_heads, self.head_dim = kv_shape(c, layer_id)
+        self.num_heads, self.num_kv_heads = rank_heads(c.num_heads, kv_heads)  # this rank's
+        self.layer_id = kv_pool_layers(c)[layer_id]  # its keys in the pool (or its source's)
+        device = torch.empty(0).device  # where the model is being built
+        rope = layer_rope(c, layer_id)
+        self.rotary = get_rope(self.head_dim, c.rope_theta, c.max_position_embeddings, device, rope)
+        self.q_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
+        if not shared:
+            self.k_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.v_norm = UnscaledRMSNorm(c.rms_norm_eps)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None):
         """q [tokens, heads * head_dim]; k and v [tokens, kv_heads * head_dim], or None for
@@ -134,18 +127,7 @@ class Gemma4Attention(nn.Module):
         else:
             split = Split.qkv(c.num_heads, kv_heads, head_dim)
             self.qkv_proj = Linear(c.hidden_size, q_size + 2 * kv_size, split=split)
-        device = torch.empty(0).device  # where the model is being built
-        rotary = get_rope(
-            head_dim, c.rope_theta, c.max_position_embeddings, device, layer_rope(c, layer_id)
-        )
-        heads, kv_heads = rank_heads(c.num_heads, kv_heads)  # this rank's share
-        pool_layer = kv_pool_layers(c)[layer_id]
-        assert pool_layer is not None
-        self.attn = Gemma4AttentionLayer(
-            pool_layer, heads, kv_heads, head_dim, rotary, c.rms_norm_eps
-        )
-        if self.shared:  # nothing to normalise but its queries
-            del self.attn.k_norm, self.attn.v_norm
+        self.attn = Gemma4AttentionLayer(c, layer_id, self.shared)
         self.o_proj = Linear(q_size, c.hidden_size, split=Split.even(1, q_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,13 +174,9 @@ class GeluExperts(Experts):
             num_experts, pairs = self.gate_up_proj.size(0), experts.numel()
             groups = group_by_expert(experts, num_experts, 16 if pairs <= 16 * num_experts else 64)
             h = grouped_gemm(x.contiguous(), self.gate_up_proj, groups, pairs, None, 64, 64)
-            h = gelu_and_mul(h)
-            w = weights.flatten().contiguous()
-            return (
-                grouped_gemm(h, self.down_proj, groups, pairs, w, 64, 64)
-                .view(tokens, top_k, -1)
-                .sum(1)
-            )
+            h, w = gelu_and_mul(h), weights.flatten().contiguous()
+            y = grouped_gemm(h, self.down_proj, groups, pairs, w, 64, 64)
+            return y.view(tokens, top_k, -1).sum(1)  # each token's top_k outputs added
         out = torch.zeros_like(x)
         for expert in experts.unique().tolist():  # the reference: a loop over chosen experts
             token, slot = torch.where(experts == expert)
@@ -234,8 +212,7 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = Gemma4RMSNorm(*norm)
             self.post_feedforward_layernorm_1 = Gemma4RMSNorm(*norm)
             self.post_feedforward_layernorm_2 = Gemma4RMSNorm(*norm)
-        self.has_ple = g.per_layer_dim > 0
-        if self.has_ple:  # the per-layer embedding's gate and projection back
+        if g.per_layer_dim:  # the per-layer embedding's gate and projection back
             self.per_layer_input_gate = Linear(c.hidden_size, g.per_layer_dim)
             self.per_layer_projection = Linear(g.per_layer_dim, c.hidden_size)
             self.post_per_layer_input_norm = Gemma4RMSNorm(*norm)
@@ -307,7 +284,7 @@ class Gemma4ForCausalLM(BaseLLMModel):
         """Our name of a checkpoint tensor (models/families.text_model_name asks): a K=V or
         KV-shared layer keeps q_proj (and k_proj) apart, under names the loader does not
         merge into qkv_proj; a KV-shared layer loads no k/v projection or norm (None)."""
-        m = _ATTN_TENSOR.match(name)
+        m = _ATTN.match(name)
         if m is None:
             return name
         attn: Gemma4Attention = self.model.layers[int(m[1])].self_attn
