@@ -1,10 +1,11 @@
-"""Chapter 29: more model families - RoPE variants, sliding windows, Gemma 3 and Phi-3.
+"""Chapter 29: more model families - RoPE variants, sliding windows, Gemma 3 and 4, Phi-3.
 
 Reads the published configs of Llama 3.1 and Phi-4-mini and shows what their RoPE variants
 do to the frequencies; then builds three tiny random models (Mistral with a sliding window,
 Gemma 3, Phi-3 with longrope and partial rotary) from a seed, serves a prompt longer than
 their windows and pretrained contexts, and compares every position's logits with
-transformers under teacher forcing.
+transformers under teacher forcing. Last, the KV memory per token of the four published
+Gemma 4 configs, by layer group, as the engine sizes its pool.
 
 Run from the repo root: python examples/ch29_model_families.py
 """
@@ -19,6 +20,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig, 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
+from minisgl.kvcache.layout import KVLayout
 from minisgl.layers.rope_scaling import frequencies
 from minisgl.models.config import ModelConfig
 from minisgl.models.families import context_length, layer_rope
@@ -117,3 +119,35 @@ with tempfile.TemporaryDirectory() as root:
         print(f"  {kind:<8} context {engine.max_seq_len:>4}, windows per layer {windows}: "
               f"max |logits - transformers| {(got - want).abs().max():.1e}")  # fmt: skip
         engine.shutdown()
+
+
+# ---- 3. Gemma 4: KV memory per token by layer group ---------------------------------------
+def gemma4(layers: int, pattern: int, kv: int, global_kv: int | None, shared: int) -> dict:
+    """The KV-shaping fields of a published Gemma 4 config (their config.json's values)."""
+    s, f = "sliding_attention", "full_attention"
+    text = dict(num_hidden_layers=layers, num_key_value_heads=kv, head_dim=256,
+                global_head_dim=512, num_global_key_value_heads=global_kv,
+                attention_k_eq_v=global_kv is not None, num_kv_shared_layers=shared,
+                layer_types=([s] * (pattern - 1) + [f]) * (layers // pattern))  # fmt: skip
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": text}
+
+
+BF16 = torch.bfloat16
+published = {
+    "E2B": gemma4(35, 5, 1, None, 20),
+    "E4B": gemma4(42, 6, 2, None, 18),
+    "26B-A4B": gemma4(30, 6, 8, 2, 0),
+    "31B": gemma4(60, 6, 16, 4, 0),
+}
+print("\nGemma 4, bf16 KV bytes a token: each group (layers x KV heads x head_dim), in all,")
+print("and if every attention layer kept its own")
+print("  model    sliding group            full group             shared   in all  every layer")
+for name, raw in published.items():
+    layout = KVLayout.of(ModelConfig.from_dict(raw), 4096)
+    groups = "  ".join(
+        f"{len(g.layers):>2} x {g.kv_heads:>2} x {g.head_dim} {g.bytes_per_token(BF16):>8,}"
+        for g in layout.groups
+    )
+    total, every = layout.bytes_per_token(BF16), layout.every_layer_bytes_per_token(BF16)
+    print(f"  {name:<8} {groups}  {len(layout.shared):>6} {total:>8,}  {every:>8,} "
+          f"({every / total:.2f}x)")  # fmt: skip

@@ -122,10 +122,10 @@ def test_rope_theta_forms(rope: dict) -> None:
     "rope",
     [
         {"rope_parameters": {"rope_type": "mrope", "rope_theta": 5e5, "mrope_section": [1]}},
-        {"rope_scaling": {"type": "proportional", "factor": 2.0}},
+        {"rope_scaling": {"type": "xpos", "factor": 2.0}},
         {"rope_scaling": {"rope_type": "llama4", "factor": 4.0}},
     ],
-    ids=["mrope", "legacy-proportional", "llama4"],
+    ids=["mrope", "legacy-xpos", "llama4"],
 )
 def test_unsupported_rope_type_is_a_clear_error(rope: dict) -> None:
     params = next(iter(rope.values()))

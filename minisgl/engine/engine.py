@@ -38,8 +38,8 @@ from minisgl.engine.startup import (
     resolve_shape,
 )
 from minisgl.engine.verify_graph import plan_verify_graphs  # [ch26]
+from minisgl.kvcache import layout  # which backend reads the pool, each layer's window  # [ch29]
 from minisgl.kvcache.mha_pool import MHAKVCache
-from minisgl.models.families import attention_layers, sliding  # [ch29]
 from minisgl.quant.kv_scales import use_kv_scales  # [ch28]
 from minisgl.utils import to_device
 
@@ -204,12 +204,10 @@ def _create_backend(
         shape.config.attention_backend, shape.device, shape.dtype, shape.page_size,
         fp8_kv=shape.kv_dtype == torch.float8_e4m3fn,  # [ch28]
     )  # fmt: skip
+    cls = layout.backend_for(shape, cls)  # one that reads layers of several shapes  # [ch29]
     mc = shape.model_config
     scale = mc.head_dim**-0.5
     scale = (mc.query_pre_attn_scalar or mc.head_dim) ** -0.5  # Gemma's own  # [ch29]
     backend = cls(kv_cache, page_table, scale, shape.num_qo_heads)
-    # >>> ch29 sliding layers: a window no shorter than the context is no window
-    windows = [mc.sliding_window if sliding(mc, i) else None for i in attention_layers(mc)]
-    backend.set_windows([w if w and w < shape.max_seq_len else None for w in windows])
-    # <<< ch29
+    backend.set_windows(layout.windows(shape))  # each pool layer's sliding window  # [ch29]
     return backend

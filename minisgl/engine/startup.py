@@ -23,11 +23,11 @@ from minisgl.engine.config import EngineConfig, check_model_files
 from minisgl.engine.limits import EngineLimits
 from minisgl.engine.ranks import join_ranks  # [ch21]
 from minisgl.env import ENV
-from minisgl.kvcache import state_pool as states  # a hybrid's recurrent states  # [ch29]
+from minisgl.kvcache import layout  # which layers keep what: layer groups, states  # [ch29]
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
-from minisgl.models.families import attention_layers, context_length  # [ch29]
+from minisgl.models.families import context_length  # [ch29]
 from minisgl.models.register import create_model
 from minisgl.models.weight import load_weights
 from minisgl.quant.fp8 import check_device  # [ch28]
@@ -101,17 +101,16 @@ def pages_from_budget(shape: EngineShape) -> int:
     """The KV pages that fit the memory budget: on a GPU a share of what is free once the
     weights are in, on a CPU a fixed size; never more than every row filled to the brim."""
     mc, config = shape.model_config, shape.config
-    num_layers = mc.num_layers
-    num_layers = len(attention_layers(mc))  # a hybrid's linear layers keep no KV  # [ch29]
     per_page = MHAKVCache.bytes_per_page(
-        num_layers, shape.page_size, shape.num_kv_heads, mc.head_dim, shape.kv_dtype
+        mc.num_layers, shape.page_size, shape.num_kv_heads, mc.head_dim, shape.kv_dtype
     )
+    per_page = layout.bytes_per_page(shape)  # each layer group's; shared, linear: none  # [ch29]
     if shape.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(shape.device)
         budget = int(free * ENV.MEMORY_FRACTION.value)
     else:
         budget = ENV.CPU_KV_CACHE_MB.value * 2**20
-    budget = states.budget_after_states(shape, budget, per_page)  # a hybrid's come first  # [ch29]
+    budget = layout.budget_after_states(shape, budget, per_page)  # a hybrid's come first  # [ch29]
     useful = config.max_running_req * cdiv(shape.max_seq_len, shape.page_size)
     pages = min(budget // per_page, useful)
     if pages < 1:
@@ -128,18 +127,16 @@ class Pools:
     page_table: torch.Tensor  # [rows, width] int32
     token_pool: torch.Tensor  # [rows, width] int32
     dummy_req: Req  # the padding request of a graph batch: the last row, the dummy page
-    state_pool: states.RecurrentStatePool | None = None  # a hybrid's: one slot per row  # [ch29]
+    state_pool: layout.RecurrentStatePool | None = None  # a hybrid's: a slot a row  # [ch29]
 
 
 def make_pools(shape: EngineShape, num_pages: int) -> Pools:
     """One row per running request plus one for the dummy request; one column per position
     of the longest sequence, plus one for the token sampled after it."""
-    mc, device, page_size = shape.model_config, shape.device, shape.page_size
-    num_layers = mc.num_layers
-    num_layers = len(attention_layers(mc))  # [ch29]
-    kv_cache = MHAKVCache(
-        num_layers, num_pages, page_size, shape.num_kv_heads, mc.head_dim, shape.kv_dtype, device
-    )
+    device, page_size = shape.device, shape.page_size
+    new_kv_pool = every_layer_pool
+    new_kv_pool = layout.new_pool  # a storage per group of layers of one shape  # [ch29]
+    kv_cache = new_kv_pool(shape, num_pages)
     rows = shape.config.max_running_req + 1
     width = cdiv(shape.max_seq_len + 1, page_size) * page_size
     page_table = torch.zeros((rows, width), dtype=torch.int32, device=device)
@@ -148,8 +145,17 @@ def make_pools(shape: EngineShape, num_pages: int) -> Pools:
     page_table[rows - 1] = dummy_slots.to(device, torch.int32)
     dummy_req = Req(torch.zeros(1, dtype=torch.int32), rows - 1, 0, 1, -1, SamplingParams())
     pools = Pools(kv_cache, page_table, token_pool, dummy_req)
-    pools.state_pool = states.make_state_pool(shape, rows)  # a hybrid's recurrent states  # [ch29]
+    pools.state_pool = layout.make_state_pool(shape, rows)  # a hybrid's recurrent states  # [ch29]
     return pools
+
+
+def every_layer_pool(shape: EngineShape, num_pages: int) -> MHAKVCache:
+    """Keys and values of every layer, all of one shape."""
+    mc = shape.model_config
+    return MHAKVCache(
+        mc.num_layers, num_pages, shape.page_size, shape.num_kv_heads, mc.head_dim,
+        shape.kv_dtype, shape.device,
+    )  # fmt: skip
 
 
 class Clock:

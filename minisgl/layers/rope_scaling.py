@@ -14,6 +14,9 @@ on 8K positions and stretched to 128K changes those frequencies, each variant it
   one for long ones, and an attention factor from the stretch.
 
 `partial_rotary_factor` rotates only the first channels of a head; the rest pass unrotated.
+`proportional` (Gemma 4's global layers) turns a share of the channel *pairs* of the whole
+head instead: the frequencies are those of the full head, the first `factor x pairs` of
+them kept and the rest zero, so pair i still joins channels i and i + head_dim / 2.
 
 All of them change only the per-position table of cos and sin that the layers (and the fused
 rotary kernel) gather rows from, so nothing downstream knows which variant it runs.
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 ROPE_ALIASES = {"su": "longrope"}  # the name early Phi-3 configs used
 
 
@@ -56,6 +59,7 @@ class RopeScaling:
     short_factor: tuple[float, ...] = ()  # longrope
     long_factor: tuple[float, ...] = ()  # longrope
     context: int = 0  # positions in the table: the engine's context length
+    turned: float = 1.0  # proportional: the share of the head's channel pairs that turn
 
     def for_context(self, context: int) -> RopeScaling:
         """The same RoPE with its table built for `context` positions."""
@@ -91,10 +95,11 @@ def parse_rope(
     factor = params.get("factor")
     if factor is None and rope_type in ("yarn", "longrope") and original:
         factor = max_position / original  # Phi-3, DeepSeek: the stretch is the ratio
+    proportional = rope_type == "proportional"  # a table as wide as the head
     rope = RopeScaling(
         rope_type=rope_type,
         theta=float(params.get("rope_theta", default_theta)),
-        rotary_dim=int(head_dim * partial),
+        rotary_dim=head_dim if proportional else int(head_dim * partial),
         max_position=max_position,
         factor=float(factor or 1.0),
         original_max_position=int(original or max_position),
@@ -108,6 +113,7 @@ def parse_rope(
         attention_factor=params.get("attention_factor"),
         short_factor=tuple(params.get("short_factor") or ()),
         long_factor=tuple(params.get("long_factor") or ()),
+        turned=float(partial) if proportional else 1.0,
     )
     if rope.rotary_dim % 2 or not 0 < rope.rotary_dim <= head_dim:
         raise ValueError(f"partial_rotary_factor {partial} turns {rope.rotary_dim} channels")
@@ -139,6 +145,9 @@ def frequencies(rope: RopeScaling, device: torch.device) -> tuple[torch.Tensor, 
         return _yarn(rope, inv_freq, exponents), _yarn_attention_factor(rope)
     if kind == "longrope":
         return _longrope(rope, exponents), _longrope_attention_factor(rope)
+    if kind == "proportional":  # the first pairs turn as in a full head's table; the rest not
+        still = torch.arange(dim // 2, device=inv_freq.device) >= int(rope.turned * dim // 2)
+        return inv_freq.masked_fill(still, 0.0) / rope.factor, 1.0
     return inv_freq, 1.0  # default, dynamic
 
 

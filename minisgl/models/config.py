@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from minisgl.layers.rope_scaling import ROPE_ALIASES, ROPE_TYPES, RopeScaling  # [ch29]
-from minisgl.models.families import LinearAttention, family_fields, text_model_config  # [ch29]
+from minisgl.models import families  # [ch29]
 from minisgl.quant.config import Fp8Checkpoint, parse_quantization_config  # [ch28]
 
 SUPPORTED_ACTIVATIONS: tuple[str, ...] = ("silu",)
@@ -58,16 +58,17 @@ class ModelConfig:
     rope: RopeScaling | None = None  # the full-attention layers' RoPE (its variant, its channels)
     local_rope: RopeScaling | None = None  # the sliding layers' own, where it differs (Gemma 3)
     layer_types: tuple[str, ...] = ()  # "sliding_attention", "full_attention" or "linear_attention"
-    linear: LinearAttention | None = None  # a hybrid's Gated DeltaNet layers (Qwen3.5)
+    linear: families.LinearAttention | None = None  # a hybrid's Gated DeltaNet layers (Qwen3.5)
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by its -1/2 power
     final_logit_softcapping: float | None = None  # Gemma: logits = cap * tanh(logits / cap)
     rope_context: int = 0  # positions the RoPE tables serve: set by the engine to its context
+    gemma4: families.Gemma4Text | None = None  # two KV geometries, shared KV, per-layer embeddings
     # <<< ch29
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        raw = text_model_config(raw)  # Gemma 3's defaults, a multimodal config's text  # [ch29]
+        raw = families.text_model_config(raw)  # Gemma's defaults, a multimodal one's text  # [ch29]
         archs = raw.get("architectures") or []
         if not archs:
             raise ValueError("config.json has no 'architectures': cannot tell which model to build")
@@ -96,7 +97,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             moe=_moe(raw),
             quantization=parse_quantization_config(raw.get("quantization_config")),  # [ch28]
-            **family_fields(raw, head_dim, sliding_window),  # [ch29]
+            **families.family_fields(raw, head_dim, sliding_window),  # [ch29]
         )
 
     @classmethod

@@ -13,12 +13,17 @@
 - A layer may keep no keys at all: Qwen3.5's `linear_attention` layers (Gated DeltaNet) keep a
   fixed-size recurrent state per request instead (`LinearAttention` has its shapes), and
   only the `full_attention` layers have KV pages (`attention_layers`).
+- Gemma 4 gives its full layers a KV geometry of their own (`kv_shape`) and lets its last
+  `num_kv_shared_layers` layers read an earlier layer's keys instead of storing any
+  (`kv_source`); what else its config adds is `Gemma4Text`. Which layer keeps what, and
+  where in the KV pool, is `kv_pool_layers` here and kvcache/layout.py for the pool.
 
 Options we cannot honour fail here, at start-up, by name.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +34,7 @@ if TYPE_CHECKING:
 
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+_GEMMA4 = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
 # Their text model's config in `text_config`.
 _QWEN3_5_MM = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 # Gemma3TextConfig's defaults: what a Gemma 3 config.json leaves out.
@@ -57,7 +63,22 @@ _QWEN3_NEXT = "Qwen3NextForCausalLM"  # a hybrid whose config may leave layer_ty
 # Where a multimodal checkpoint keeps its text model's tensors, and what else it holds.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.", "model.visual.", "mtp.")  # fmt: skip
+             "model.multi_modal_projector.", "model.visual.", "mtp.", "model.embed_vision.",
+             "model.audio_tower.", "model.embed_audio.")  # fmt: skip
+# Gemma4TextConfig's defaults: what a Gemma 4 config.json may leave out.
+GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_144, "hidden_size": 2304, "intermediate_size": 9216,
+    "num_hidden_layers": 30, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "attention_bias": False,
+    "sliding_window": 512,
+    "global_head_dim": 512, "attention_k_eq_v": False, "num_kv_shared_layers": 0,
+    "vocab_size_per_layer_input": 262_144, "hidden_size_per_layer_input": 256,
+    "use_double_wide_mlp": False, "enable_moe_block": False,
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                        "full_attention": {"rope_type": "proportional", "rope_theta": 1e6,
+                                           "partial_rotary_factor": 0.25}},
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -99,6 +120,26 @@ class LinearAttention:
                    raw.get("linear_conv_kernel_dim", 4))  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Gemma4Text:
+    """What Gemma 4's text config adds to a Gemma 3-like decoder."""
+
+    global_head_dim: int  # the full layers' head_dim (sliding layers: `head_dim`)
+    global_kv_heads: int  # and their KV heads
+    k_eq_v: bool  # full layers have no v_proj: the values come from the keys' projection
+    kv_shared_layers: int  # the last this many layers store no KV: they read an earlier one's
+    per_layer_dim: int  # the per-layer embedding's width per layer (0: none)
+    per_layer_vocab: int  # and its vocabulary
+    double_wide_mlp: bool  # a KV-shared layer's MLP is twice as wide
+
+    @classmethod
+    def of(cls, raw: dict[str, Any]) -> Gemma4Text:
+        return cls(raw["global_head_dim"], raw["num_global_key_value_heads"],
+                   bool(raw["attention_k_eq_v"]), raw["num_kv_shared_layers"] or 0,
+                   raw["hidden_size_per_layer_input"] or 0, raw["vocab_size_per_layer_input"],
+                   bool(raw["use_double_wide_mlp"]))  # fmt: skip
+
+
 def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The config of the text model to build: Gemma 3's defaults under what the checkpoint
     states, its `text_config` lifted out of a multimodal one."""
@@ -114,6 +155,8 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
         return {**text, "architectures": archs, "tie_word_embeddings": tied, "torch_dtype": dtype}
     if archs and archs[0] == _QWEN3_NEXT:
         return qwen3_next_defaults(raw)
+    if archs and archs[0] in _GEMMA4:
+        return gemma4_text_config(raw)
     if not archs or archs[0] not in _GEMMA3:
         return raw
     multimodal = archs[0] == "Gemma3ForConditionalGeneration"
@@ -126,6 +169,55 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     for option in ("attn_logit_softcapping", "use_bidirectional_attention"):
         if merged.get(option):
             raise ValueError(f"{archs[0]} with {option}={merged[option]!r} is not supported")
+    return merged
+
+
+def gemma4_text_config(raw: dict[str, Any]) -> dict[str, Any]:
+    """A Gemma 4 config's text model in the terms ModelConfig reads: Gemma4TextConfig's
+    defaults under what it states, its MoE block's names as Qwen's, and the full layers'
+    geometry whether it is written as `global_head_dim` / `num_global_key_value_heads`
+    (the published configs) or as a `per_layer_config` (transformers 5 writes it)."""
+    archs = raw["architectures"]
+    text = (raw.get("text_config") or {}) if archs[0] == _GEMMA4[1] else raw
+    merged = {**GEMMA4_TEXT_DEFAULTS, **text}  # None is a value here (no PLE, no soft-cap)
+    for key in ("rope_parameters", "global_head_dim", "hidden_activation"):
+        merged[key] = merged[key] or GEMMA4_TEXT_DEFAULTS[key]
+    merged["architectures"] = archs
+    merged.setdefault("torch_dtype", raw.get("torch_dtype") or raw.get("dtype"))
+    merged.setdefault("quantization_config", raw.get("quantization_config"))
+    merged["hidden_act"] = merged.pop("hidden_activation")
+    if merged.get("use_bidirectional_attention"):
+        raise ValueError(f"{archs[0]} with use_bidirectional_attention is not supported")
+    n = merged["num_hidden_layers"]
+    types = list(merged.get("layer_types") or (SLIDING if (i + 1) % 6 else FULL for i in range(n)))
+    types[-1] = FULL  # as transformers does: the last layer always attends to everything
+    merged["layer_types"] = types
+    if merged["enable_moe_block"]:  # routed experts beside every layer's dense MLP
+        merged.update(num_experts_per_tok=merged["top_k_experts"], norm_topk_prob=True)
+    else:
+        merged.pop("num_experts", None)
+    head_dim, kv_heads = merged["head_dim"], merged["num_key_value_heads"]
+    full = [str(i) for i, t in enumerate(types) if t == FULL]
+    if (per_layer := merged.get("per_layer_config")) is not None:
+        overrides = {str(k): v for k, v in per_layer.items()}
+        if set(overrides) - set(full) or len({json.dumps(overrides.get(i), sort_keys=True)
+                                              for i in full}) > 1:  # fmt: skip
+            raise ValueError(
+                f"per_layer_config {per_layer} is not one override of every full layer"
+            )
+        one = overrides.get(full[0]) or {}
+        if set(one) - {"head_dim", "num_key_value_heads"}:
+            raise ValueError(f"per_layer_config overrides {sorted(one)}: only the geometry is read")
+        merged["global_head_dim"] = one.get("head_dim", head_dim)
+        merged["num_global_key_value_heads"] = one.get("num_key_value_heads", kv_heads)
+    elif not (merged["attention_k_eq_v"] and merged.get("num_global_key_value_heads")):
+        merged["num_global_key_value_heads"] = kv_heads  # only K=V models have their own
+    shared = merged["num_kv_shared_layers"] = merged["num_kv_shared_layers"] or 0
+    if shared and (shared >= n or set(types[n - shared :]) - set(types[: n - shared])):
+        raise ValueError(
+            f"num_kv_shared_layers {shared} of {n}: every KV-shared layer needs an earlier "
+            "layer of its kind to read"
+        )
     return merged
 
 
@@ -144,11 +236,15 @@ def qwen3_next_defaults(raw: dict[str, Any]) -> dict[str, Any]:
 
 def family_fields(raw: dict[str, Any], head_dim: int, sliding_window: int | None) -> dict:
     """ModelConfig's fields for layer types, RoPE variants and Gemma's scalings."""
-    gemma = (raw.get("architectures") or [""])[0] in _GEMMA3
+    arch = (raw.get("architectures") or [""])[0]
+    gemma, gemma4 = arch in _GEMMA3 + _GEMMA4, arch in _GEMMA4
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     nested = FULL in params or SLIDING in params  # HF 5: one RoPE per layer type
     full = (params.get(FULL) or {}) if nested else params
-    rope = parse_rope(full, raw, head_dim, raw.get("rope_theta", 10000.0))
+    full_dim = raw["global_head_dim"] if gemma4 else head_dim
+    rope = parse_rope(full, raw, full_dim, raw.get("rope_theta", 10000.0))
+    scalar = raw.get("query_pre_attn_scalar") if gemma else None
+    scalar = 1.0 if gemma4 else scalar  # q and k normalised per head, the scores unscaled
     local: RopeScaling | None = None
     if gemma or nested:
         local_params = (params.get(SLIDING) or {}) if nested else {}
@@ -159,8 +255,9 @@ def family_fields(raw: dict[str, Any], head_dim: int, sliding_window: int | None
         "layer_types": (types := _layer_types(raw, sliding_window)),
         "linear": LinearAttention.of(raw) if LINEAR in types else None,
         "hidden_act": raw.get("hidden_act", "silu"),
-        "query_pre_attn_scalar": raw.get("query_pre_attn_scalar") if gemma else None,
+        "query_pre_attn_scalar": scalar,
         "final_logit_softcapping": raw.get("final_logit_softcapping") if gemma else None,
+        "gemma4": Gemma4Text.of(raw) if gemma4 else None,
     }
 
 
@@ -177,7 +274,7 @@ def _layer_types(raw: dict[str, Any], sliding_window: int | None) -> tuple[str, 
             raise ValueError(f"layer_types {types} are not {n} of {SLIDING!r} / {FULL!r}")
         return tuple(types)
     arch = (raw.get("architectures") or [""])[0]
-    if arch in _GEMMA3:
+    if arch in _GEMMA3:  # Gemma 4's are always written out (gemma4_text_config)
         pattern = raw.get("sliding_window_pattern", 6)
         return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(n))
     if arch == "Qwen2ForCausalLM":
@@ -203,6 +300,37 @@ def attention_layers(config: ModelConfig) -> list[int]:
     return [i for i, kind in enumerate(types) if kind != LINEAR]
 
 
+def kv_source(config: ModelConfig, layer_id: int) -> int:
+    """The layer whose keys and values layer `layer_id` attends over: its own, or for one of
+    Gemma 4's last `num_kv_shared_layers` layers, those of the last layer of its kind (sliding
+    or full) before them, as transformers' `kv_sharing_modes` says."""
+    first_shared = config.num_layers - (config.gemma4.kv_shared_layers if config.gemma4 else 0)
+    if layer_id < first_shared:
+        return layer_id
+    kind = config.layer_types[layer_id]
+    return max(i for i in range(first_shared) if config.layer_types[i] == kind)
+
+
+def kv_shape(config: ModelConfig, layer_id: int) -> tuple[int, int]:
+    """(KV heads, head_dim) of layer `layer_id`, all ranks': Gemma 4's full layers have their
+    own (512-dim heads, and fewer of them where keys are values)."""
+    g = config.gemma4
+    if g is not None and config.layer_types[layer_id] == FULL:
+        return g.global_kv_heads, g.global_head_dim
+    return config.num_kv_heads, config.head_dim
+
+
+def kv_pool_layers(config: ModelConfig) -> list[int | None]:
+    """Each layer's layer in the KV pool: the layers that store keys, numbered in order; a
+    KV-shared layer reads its source's; a linear layer keeps none (None)."""
+    storing = [i for i in attention_layers(config) if kv_source(config, i) == i]
+    place = {layer: k for k, layer in enumerate(storing)}
+    return [
+        place[kv_source(config, i)] if i in attention_layers(config) else None
+        for i in range(config.num_layers)
+    ]
+
+
 def layer_rope(config: ModelConfig, layer_id: int) -> RopeScaling | None:
     """The RoPE that layer `layer_id` turns q and k by, with its table's length."""
     c = config
@@ -210,11 +338,14 @@ def layer_rope(config: ModelConfig, layer_id: int) -> RopeScaling | None:
     return rope.for_context(c.rope_context or context_length(c)) if rope else None
 
 
-def text_model_name(name: str) -> str | None:
-    """A checkpoint tensor's name in our text model; None for a vision tower's tensors."""
+def text_model_name(name: str, model: Any = None) -> str | None:
+    """A checkpoint tensor's name in our text model; None for a tensor it does not load: a
+    vision tower's, or one the model itself leaves out (its `checkpoint_name` says None)."""
     if name.startswith(_NOT_TEXT):
         return None
     for prefix, ours in _TEXT_PREFIXES:
         if name.startswith(prefix):
-            return ours + name[len(prefix) :]
-    return name
+            name = ours + name[len(prefix) :]
+            break
+    rename = getattr(model, "checkpoint_name", None)
+    return rename(name) if rename is not None else name

@@ -16,6 +16,8 @@ _MODELS = {
     # >>> ch29
     "Gemma3ForCausalLM": "minisgl.models.gemma3",
     "Gemma3ForConditionalGeneration": "minisgl.models.gemma3",
+    "Gemma4ForCausalLM": "minisgl.models.gemma4",
+    "Gemma4ForConditionalGeneration": "minisgl.models.gemma4",
     "Phi3ForCausalLM": "minisgl.models.phi3",
     "Qwen3_5ForCausalLM": "minisgl.models.qwen3_5",
     "Qwen3_5ForConditionalGeneration": "minisgl.models.qwen3_5",

@@ -72,8 +72,8 @@ def load_weights(model: nn.Module, model_path: str | Path) -> None:
                 if fp8 is not None and fp8.take(f, name):  # [ch28]
                     continue  # [ch28]
                 ours = name  # what our model calls it
-                # >>> ch29 a multimodal checkpoint: its text model under a prefix, a vision tower
-                if (ours := text_model_name(name)) is None:
+                # >>> ch29 a multimodal checkpoint's text model under a prefix; what is not loaded
+                if (ours := text_model_name(name, model)) is None:
                     skipped.append(name)
                     continue
                 # <<< ch29
