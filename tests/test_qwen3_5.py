@@ -28,11 +28,11 @@ from minisgl.engine.graph import GraphCaptureBuffer
 from minisgl.engine.startup import EngineShape, pages_from_budget
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
-from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.state_pool import RecurrentStatePool, state_pool_bytes
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.models.families import attention_layers
+from minisgl.scheduler.hybrid_cache import HybridCacheManager
 
 TOL = 1e-4
 VOCAB = 256
@@ -160,11 +160,12 @@ SERVE: dict[str, Any] = dict(device="cpu", dtype="float32", max_running_req=4, p
 def test_batched_and_chunked_as_each_alone(folders, alone, monkeypatch, overlap: bool) -> None:
     """Through the scheduler, with overlap scheduling off and on: prompts of different
     lengths, batched, chunked inside a prompt (max_prefill_length 7), give the greedy tokens
-    each gets alone; the radix cache asked for is turned off."""
+    each gets alone; the radix cache keeps state snapshots (tests/test_hybrid_prefix_cache.py
+    runs it)."""
     monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", not overlap)
     llm = LLM(str(folders["mm"]), max_prefill_length=7, cache_type="radix", **SERVE)
     assert llm.scheduler.overlap == overlap
-    assert isinstance(llm.scheduler.cache.cache, NaiveCache)
+    assert isinstance(llm.scheduler.cache, HybridCacheManager)
     together = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     again = [o["token_ids"] for o in llm.generate(PROMPTS[::-1], PARAMS, use_tqdm=False)]
     llm.shutdown()
@@ -189,7 +190,8 @@ def test_what_a_hybrid_cannot_do_fails_by_name(folders, monkeypatch) -> None:
     with pytest.raises(ValueError, match=r"\(Qwen3_5\w+\) has linear-attention"):
         check_model_files(config)  # before any process: a hybrid draft model
     monkeypatch.setattr(ENV.CPU_KV_CACHE_MB, "value", 1)
-    with pytest.raises(MemoryError, match="recurrent states of 64 requests take 2 MB"):
+    states = "recurrent states of 64 requests and 0 prefix-cache snapshots take 1.95 MB"
+    with pytest.raises(MemoryError, match=states):
         make_engine(path, num_page_override=None, max_running_req=64)
 
 
@@ -244,12 +246,12 @@ def test_published_configs_parse_and_size(tmp_path: Path, name: str, state_mb: i
     conv = linear * mc.linear.conv_dim * 3 * 2
     per_req = RecurrentStatePool.bytes_per_slot(linear, mc.linear, torch.bfloat16)
     assert per_req == ssm + conv and ssm == state_mb * 2**20
-    config = EngineConfig(str(tmp_path), device="cpu", max_running_req=8)
+    config = EngineConfig(str(tmp_path), device="cpu", max_running_req=8, state_snapshots=1)
     shape = EngineShape(config, mc, torch.device("cpu"), torch.bfloat16, torch.bfloat16,
                         4096, mc.num_heads, mc.num_kv_heads, 0)  # fmt: skip
-    assert state_pool_bytes(shape) == 9 * per_req  # 8 rows and the dummy request's
+    assert state_pool_bytes(shape) == 10 * per_req  # 8 rows, the dummy request's, a snapshot
     pages = pages_from_budget(shape)
-    assert pages * kv <= 512 * 2**20 - 9 * per_req < (pages + 1) * kv  # the CPU budget
+    assert pages * kv <= 512 * 2**20 - 10 * per_req < (pages + 1) * kv  # the CPU budget
 
 
 # ---- decode graphs: the state slots go through the graphs' static buffer -----------------

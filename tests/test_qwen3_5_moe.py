@@ -204,9 +204,9 @@ def test_published_35b_a3b_parses_and_sizes(tmp_path: Path) -> None:
     per_req = RecurrentStatePool.bytes_per_slot(30, mc.linear, torch.bfloat16)
     assert per_req == 30 * 32 * 128 * 128 * 4 + 30 * mc.linear.conv_dim * 3 * 2
     assert 30 * 32 * 128 * 128 * 4 == 60 * 2**20
-    config = EngineConfig(str(tmp_path), device="cpu", max_running_req=4)
+    config = EngineConfig(str(tmp_path), device="cpu", max_running_req=4, state_snapshots=1)
     shape = EngineShape(config, mc, torch.device("cpu"), torch.bfloat16, torch.bfloat16,
                         4096, mc.num_heads, mc.num_kv_heads, 0)  # fmt: skip
-    assert state_pool_bytes(shape) == 5 * per_req
+    assert state_pool_bytes(shape) == 6 * per_req  # 4 rows, the dummy request's, a snapshot
     pages = pages_from_budget(shape)
-    assert pages * kv <= 512 * 2**20 - 5 * per_req < (pages + 1) * kv
+    assert pages * kv <= 512 * 2**20 - 6 * per_req < (pages + 1) * kv

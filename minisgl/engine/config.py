@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from minisgl.attention import NAMES as ATTENTION_BACKENDS
 from minisgl.engine.graph_config import GraphConfig  # [ch18]
-from minisgl.engine.hybrid import check_hybrid  # [ch29]
+from minisgl.engine.hybrid import HybridConfig, check_hybrid  # [ch29]
 from minisgl.engine.tp_config import ParallelConfig  # [ch21]
 from minisgl.quant.config import QuantConfig, check_checkpoint_quantization  # [ch28]
 from minisgl.speculative.config import SpeculativeConfig, check_draft_model  # [ch26]
@@ -31,6 +31,7 @@ class EngineConfig(
     ParallelConfig,  # [ch21]
     SpeculativeConfig,  # the engine sizes its verify graphs by it  # [ch26]
     QuantConfig,  # [ch28]
+    HybridConfig,  # the recurrent states' snapshots  # [ch29]
 ):
     model_path: str
     # A torch dtype or its name; None: fp32 on CPU, on GPU the checkpoint's (else bf16).

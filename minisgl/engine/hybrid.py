@@ -1,5 +1,5 @@
 """What a hybrid model (linear-attention layers with a recurrent state beside attention layers
-with KV pages) cannot do yet, refused or turned off by name at start-up.
+with KV pages) cannot do yet, refused or turned off by name at start-up; and its setting.
 
 - Speculative decoding: a verify step advances the state over every draft, and only some
   are accepted. The linear layers keep the state after each position of a verify step and
@@ -11,8 +11,8 @@ with KV pages) cannot do yet, refused or turned off by name at start-up.
   read its keys): a tp_size that does not divide linear_num_key_heads, or the shared
   expert's width, is refused here, by name, rather than when a rank builds its layers.
 - A radix-cache hit skips the prefix's forward, so its recurrent state would never be
-  computed: without state snapshots the prefix cache is wrong. The scheduler runs a hybrid
-  model with the naive cache (`prefix_cache`) and says so.
+  computed: the prefix cache of a hybrid keeps state snapshots (`state_snapshots` of them,
+  scheduler/hybrid_cache.py) and hits only where one was saved.
 - Graphs: decode graphs run, their state slots in the graphs' static buffers (engine/graph.py).
   Prefill graphs (`graph_blocker`) run only on our Triton kernels
   (MINISGL_GATED_DELTA=triton), which read each request's slot and token offsets from those
@@ -25,7 +25,7 @@ No torch here: the command line checks the options in the API server's process.
 from __future__ import annotations
 
 import json
-import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,6 @@ from minisgl.env import ENV
 if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
 
-logger = logging.getLogger(__name__)
 # Hybrids whose config.json may not write layer_types out (they follow full_attention_interval).
 _HYBRID_ARCHS = ("Qwen3NextForCausalLM",)
 
@@ -53,10 +52,21 @@ def _hybrid(folder: Any) -> tuple[str, dict] | None:
     return arch, text
 
 
+@dataclass(kw_only=True)
+class HybridConfig:
+    # Recurrent states the prefix cache may save (kvcache/state_pool.py), each as big as a
+    # running request's; None: a quarter of the memory budget the running states leave (one
+    # per running request with num_page_override, which fixes the pool; none with the naive
+    # cache).
+    state_snapshots: int | None = None
+
+
 def check_hybrid(config: Any) -> None:
     """Raise ValueError for an option a hybrid model cannot honour (config: an EngineConfig):
-    a hybrid draft model, or ranks its heads do not divide among; run by
-    `check_model_files`, before anything loads or a process starts."""
+    a hybrid draft model, ranks its heads do not divide among, or a negative number of
+    snapshots; run by `check_model_files`, before anything loads or a process starts."""
+    if config.state_snapshots is not None and config.state_snapshots < 0:
+        raise ValueError(f"state_snapshots must be >= 0, got {config.state_snapshots}")
     if config.speculative == "draft" and (draft := _hybrid(config.draft_model)):
         raise ValueError(
             f"draft model {config.draft_model} ({draft[0]}) has linear-attention layers: a "
@@ -96,15 +106,3 @@ def verify_graph_blocker(model_config: ModelConfig) -> str | None:
     if model_config.linear is None:
         return None
     return "a hybrid's verify step keeps each position's state on the torch path"
-
-
-def prefix_cache(model_config: ModelConfig, cache_type: str) -> str:
-    """The prefix cache a model can run with: a hybrid model, none (the naive cache)."""
-    if model_config.linear is not None and cache_type != "naive":
-        logger.info(
-            "prefix cache off (naive cache) for %s: a cached prefix's linear-attention state "
-            "is not kept, so a cache hit would skip computing it",
-            model_config.architecture,
-        )
-        return "naive"
-    return cache_type

@@ -18,6 +18,12 @@ Before each forward the pool puts on the batch, on the device, each request's sl
 where its tokens start in the batch (`state_slots`, `state_offsets`): the layers read
 them there, and graphs copy them into their static buffers. The pool also says which
 kernels advance its states (`kernels`: MINISGL_GATED_DELTA, read once, here).
+
+Beside the running slots lie the *snapshots*: copies of a slot's state saved for the prefix
+cache (scheduler/hybrid_cache.py), which a later request with the same prefix copies back
+into its own slot instead of starting from zero. Their number is fixed at start-up from the
+same budget as the KV pages (`state_snapshots`; by default a quarter of what the running
+slots leave).
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from minisgl.core import Batch, Req
-from minisgl.distributed import get_tp_info
+from minisgl.distributed import agree_min, get_tp_info
 from minisgl.env import ENV
 from minisgl.models.families import LinearAttention, attention_layers
-from minisgl.utils import to_device
+from minisgl.utils import cdiv, to_device
 
 if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
@@ -49,7 +55,8 @@ class EngineShape(Protocol):
     model_config: ModelConfig
     dtype: torch.dtype
     device: torch.device
-    config: Any  # an EngineConfig: its max_running_req
+    max_seq_len: int
+    config: Any  # an EngineConfig: its max_running_req, page_size and state_snapshots
 
 
 class RecurrentStatePool:
@@ -60,25 +67,27 @@ class RecurrentStatePool:
         shape: LinearAttention,
         conv_dtype: torch.dtype,
         device: torch.device,
+        num_snapshots: int = 0,  # saved states the prefix cache may hold
     ) -> None:
         s = shape
-        self.num_slots, self.device = num_slots, device
+        self.num_slots, self.num_snapshots, self.device = num_slots, num_snapshots, device
         self.kernels = gated_delta_kernels(device)
-        self.conv = torch.zeros(
-            (num_layers, num_slots, s.conv_dim, s.conv_kernel - 1), dtype=conv_dtype, device=device
-        )
-        self.ssm = torch.zeros(
-            (num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim),
-            dtype=torch.float32,
-            device=device,
-        )
+        conv = (num_layers, num_slots, s.conv_dim, s.conv_kernel - 1)
+        ssm = (num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim)
+        self.conv = torch.zeros(conv, dtype=conv_dtype, device=device)
+        self.ssm = torch.zeros(ssm, dtype=torch.float32, device=device)
+        # The snapshots: the same per-layer shapes, their own slots (never read before saved).
+        saved = (num_layers, num_snapshots)
+        self.saved_conv = torch.empty(saved + conv[2:], dtype=conv_dtype, device=device)
+        self.saved_ssm = torch.empty(saved + ssm[2:], dtype=torch.float32, device=device)
         # A verify step's roll back, by linear layer (its forward leaves the slots as they
         # were): each takes the drafts accepted and writes the slots, in `keep_accepted`.
         self.kept: dict[int, Callable[[torch.Tensor], None]] = {}
 
     @property
     def bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.conv, self.ssm))
+        tensors = (self.conv, self.ssm, self.saved_conv, self.saved_ssm)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     @staticmethod
     def bytes_per_slot(num_layers: int, shape: LinearAttention, conv_dtype: torch.dtype) -> int:
@@ -102,6 +111,17 @@ class RecurrentStatePool:
             index = to_device(fresh, self.device, torch.int64)
             self.conv.index_fill_(1, index, 0)
             self.ssm.index_fill_(1, index, 0)
+
+    def save(self, slot: int, snapshot: int) -> None:
+        """Copy a running slot's state (every linear layer's) into a snapshot. Queued on the
+        device after the forwards launched before it, so it saves what they leave."""
+        self.saved_conv[:, snapshot] = self.conv[:, slot]
+        self.saved_ssm[:, snapshot] = self.ssm[:, slot]
+
+    def restore(self, snapshot: int, slot: int) -> None:
+        """Copy a snapshot into a running slot: the state a request's next forward reads."""
+        self.conv[:, slot] = self.saved_conv[:, snapshot]
+        self.ssm[:, slot] = self.saved_ssm[:, snapshot]
 
     def keep_accepted(self, batch: Batch, accepted: torch.Tensor) -> None:
         """After a verify step, each request's state as if only its last token and its
@@ -144,40 +164,89 @@ def rank_linear(mc: ModelConfig) -> LinearAttention:
     return mc.linear.rank_share(get_tp_info().size)
 
 
-def state_pool_bytes(shape: EngineShape) -> int:
-    """What a hybrid model's recurrent state pool takes on this rank: a slot for every
-    page-table row (0 for a model without linear layers)."""
-    mc = shape.model_config
-    if mc.linear is None:
+# By default the snapshots get this share of the memory the running states leave. A snapshot
+# costs about what a 1,500-token conversation's K/V does (Qwen3.5-0.8B: 18 MiB against 12 KiB
+# a token; the 9B: 48 MiB against 32 KiB), and each conversation the cache keeps wants one:
+# for conversations of a few thousand tokens, a quarter of the memory keeps pace with the K/V.
+SNAPSHOT_SHARE = 0.25
+
+
+def snapshot_count(config: Any) -> int:
+    """The snapshots to keep (config: the engine's, a SchedulerConfig where a scheduler runs
+    it): `state_snapshots`, as set or as the budget resolved it (`budget_after_states`), else
+    one per running request (a KV pool of fixed size, with no budget to share); none with the
+    naive cache, which never reads one."""
+    if getattr(config, "cache_type", "radix") == "naive":
         return 0
+    if config.state_snapshots is None:
+        return config.max_running_req
+    return config.state_snapshots
+
+
+def _per_slot(shape: EngineShape) -> tuple[int, int]:
+    """(linear layers, the bytes of one slot's state on this rank: every linear layer's conv
+    and SSM)."""
+    mc = shape.model_config
+    assert mc.linear is not None
     linear_layers = mc.num_layers - len(attention_layers(mc))
     per_slot = RecurrentStatePool.bytes_per_slot(linear_layers, rank_linear(mc), shape.dtype)
-    return per_slot * (shape.config.max_running_req + 1)
+    return linear_layers, per_slot
+
+
+def state_pool_bytes(shape: EngineShape) -> int:
+    """What a hybrid model's recurrent state pool takes on this rank: a slot for every
+    page-table row and every snapshot (0 for a model without linear layers)."""
+    if shape.model_config.linear is None:
+        return 0
+    config = shape.config
+    return _per_slot(shape)[1] * (config.max_running_req + 1 + snapshot_count(config))
 
 
 def budget_after_states(shape: EngineShape, budget: int, per_page: int) -> int:
-    """The KV pages' budget once the recurrent states have theirs; an error if no page fits."""
+    """The KV pages' budget once the recurrent states have theirs; an error, saying what the
+    states take, if no page fits. Where `state_snapshots` is left to the default, it is set
+    here to SNAPSHOT_SHARE of what the running states leave: the config then says what runs."""
     states = state_pool_bytes(shape)
-    if states and budget - states < per_page:
+    if not states:
+        return budget
+    config, per_slot = shape.config, _per_slot(shape)[1]
+    if config.state_snapshots is None and snapshot_count(config):  # the default, not naive
+        left = budget - per_slot * (config.max_running_req + 1)
+        # A snapshot sits on a radix node of one page or more: no more than a full pool holds.
+        pages = config.max_running_req * cdiv(shape.max_seq_len, config.page_size)
+        count = min(max(0, int(left * SNAPSHOT_SHARE) // per_slot), pages)
+        config.state_snapshots = agree_min(count)  # ranks schedule alike: as many on each
+        states = state_pool_bytes(shape)
+    if budget - states < per_page:
         raise MemoryError(
-            f"the recurrent states of {shape.config.max_running_req} requests take "
-            f"{states / 2**20:.0f} MB, leaving no room for a KV page in a budget of "
-            f"{budget / 2**20:.0f} MB: lower max_running_req or raise the budget"
+            f"the recurrent states of {config.max_running_req} requests and "
+            f"{snapshot_count(config)} prefix-cache snapshots take {_mb(states)} "
+            f"({_mb(per_slot)} each, and one for the dummy request), leaving no room for a KV "
+            f"page in a budget of {_mb(budget)}; one request needs at least "
+            f"{_mb(2 * per_slot + per_page)}: lower max_running_req or state_snapshots, or "
+            "raise the budget"
         )
     return budget - states
 
 
 def make_state_pool(shape: EngineShape, rows: int) -> RecurrentStatePool | None:
-    """Slot i for page-table row i, the last for the dummy request, each with this rank's
-    heads; its size logged."""
+    """Slot i for page-table row i, the last for the dummy request, then the snapshots, each
+    with this rank's heads; its size logged."""
     mc = shape.model_config
     if mc.linear is None:
         return None
-    linear_layers = mc.num_layers - len(attention_layers(mc))
-    pool = RecurrentStatePool(linear_layers, rows, rank_linear(mc), shape.dtype, shape.device)
+    linear_layers, per_slot = _per_slot(shape)
+    snapshots = snapshot_count(shape.config)
+    pool = RecurrentStatePool(
+        linear_layers, rows, rank_linear(mc), shape.dtype, shape.device, snapshots
+    )
     logger.info(
-        "recurrent state pool: %d linear layers x %d slots (%d requests + the dummy), "
-        "%.1f MB a request, %.1f MB in all",
-        linear_layers, rows, rows - 1, pool.bytes / rows / 2**20, pool.bytes / 2**20,
+        "recurrent state pool: %d linear layers x %d slots (%d requests + the dummy) and "
+        "%d prefix-cache snapshots, %s each, %s in all",
+        linear_layers, rows, rows - 1, snapshots, _mb(per_slot), _mb(pool.bytes),
     )  # fmt: skip
     return pool
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.3g} MB"
