@@ -10,7 +10,8 @@ Two tiny random Gemma 4 models (seed 0, fp32) built with transformers' own class
 Each is compared with transformers under teacher forcing (a prefill in two chunks, then decode
 steps, the prompt longer than the window) on the torch and the Triton backends, and in greedy
 tokens through the offline API (batched, chunked prefill, the radix cache, emulated decode
-graphs). The Triton kernels run head_dim 512 against the torch backend; the four published
+graphs); speculative decoding (partly wrong drafts through verify graphs, suffix drafts),
+radix hits and overlap scheduling each give the tokens of a plain run. The Triton kernels run head_dim 512 against the torch backend; the four published
 configs parse and size the engine by layer group.
 """
 
@@ -33,13 +34,16 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.attention.triton_backend import TritonAttnBackend
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.graph import EmulatedGraph
 from minisgl.engine.startup import EngineShape, pages_from_budget
+from minisgl.env import ENV
 from minisgl.kvcache.allocator import page_slots
 from minisgl.kvcache.layout import GroupedKVCache, KVGroup, KVLayout, backend_for
 from minisgl.llm import LLM
 from minisgl.models import gemma4
 from minisgl.models.config import ModelConfig
 from minisgl.models.register import create_model
+from minisgl.speculative.ngram import NgramDrafter
 
 TOL = 1e-4
 VOCAB = 256
@@ -204,6 +208,111 @@ def test_served_greedy_equals_transformers(folders, name: str) -> None:
     llm.shutdown()
     assert first == want
     assert again == want[::-1]
+
+
+# ---- speculation, prefix caching and overlap: each gives the plain tokens ---------------
+
+SERVE = dict(device="cpu", dtype="float32", max_running_req=4, page_size=4, num_page_override=96)
+SPEC = dict(speculative_always=True, speculative_max_bs=4, num_draft_tokens=4)
+# longer than the window of 8; the first two repeat themselves, so n-grams find drafts
+SPEC_PROMPTS = [token_ids(20, 9) * 2, token_ids(21, 5) * 3 + token_ids(22, 4), token_ids(23, 12)]
+SPEC_PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def serve(path: Path, prompts: list[list[int]], rounds: int = 1, **kw) -> tuple[list, LLM]:
+    """Each round's greedy tokens for `prompts` from one engine (left running)."""
+    llm = LLM(str(path), **{**SERVE, **kw})
+    out = [[o["token_ids"] for o in llm.generate(prompts, SPEC_PARAMS, use_tqdm=False)]
+           for _ in range(rounds)]  # fmt: skip
+    return out, llm
+
+
+@pytest.fixture(scope="module")
+def plain(folders) -> dict[str, list[list[int]]]:
+    """Each model's tokens for SPEC_PROMPTS: no drafts, the naive cache, one step at a time."""
+    want = {}
+    for name, path in folders.items():
+        ENV.DISABLE_OVERLAP_SCHEDULING.value, saved = True, ENV.DISABLE_OVERLAP_SCHEDULING.value
+        try:
+            (want[name],), llm = serve(path, SPEC_PROMPTS, cache_type="naive")
+        finally:
+            ENV.DISABLE_OVERLAP_SCHEDULING.value = saved
+        llm.shutdown()
+    return want
+
+
+def oracle(want: list[list[int]]):
+    """Drafts from the plain run's own tokens, up to 3, the second one wrong every third step:
+    verify steps that accept all, some and none of their drafts."""
+
+    def draft(req: Req, k: int) -> list[int]:
+        ids = req.input_ids.tolist()
+        i = next(i for i, p in enumerate(SPEC_PROMPTS) if ids[: len(p)] == p)
+        done = len(ids) - len(SPEC_PROMPTS[i])
+        tokens = want[i][done : done + min(3, k)]
+        if done % 3 == 0 and len(tokens) > 1:
+            tokens[1] = (tokens[1] + 1) % VOCAB  # the model will not agree with this one
+        return tokens
+
+    return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+
+
+@pytest.mark.parametrize("name", ["e2b", "a4b"])
+def test_partly_wrong_drafts_give_the_plain_tokens(folders, plain, name, monkeypatch) -> None:
+    """Verify steps (emulated verify graphs of 1, 2 and 4) over both groups and the KV-shared
+    layers, the keys of rejected drafts left in the pool past the accepted length."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", True)
+    monkeypatch.setattr(NgramDrafter, "propose", oracle(plain[name]))
+    replayed, replay = [], EmulatedGraph.replay
+    counted = lambda self: (replayed.append(self.batch.phase), replay(self))[1]  # noqa: E731
+    monkeypatch.setattr(EmulatedGraph, "replay", counted)
+    (got,), llm = serve(folders[name], SPEC_PROMPTS, speculative="ngram", cuda_graph_max_bs=4,
+                        **SPEC)  # fmt: skip
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert 0 < spec.num_accepted < spec.num_drafted  # some drafts taken, the wrong ones not
+    assert "verify" in replayed
+    assert got == plain[name]
+
+
+@pytest.mark.parametrize("name", ["e2b", "a4b"])
+def test_suffix_drafts_from_an_earlier_round(folders, plain, name, monkeypatch) -> None:
+    """The same prompts twice in one engine: the second round drafts the first's answers."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", True)
+    rounds, llm = serve(folders[name], SPEC_PROMPTS, rounds=2, speculative="suffix", **SPEC)
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert spec.num_accepted > 0
+    assert rounds == [plain[name], plain[name]]
+
+
+@pytest.mark.parametrize("name", ["e2b", "a4b"])
+def test_radix_hits_give_the_naive_caches_tokens(folders, name, monkeypatch) -> None:
+    """Prompts that share a 14-token prefix (longer than the window), then the same prompts
+    again: the radix cache serves prefixes (hits counted) and every answer is the naive
+    cache's, chunked at 7 tokens."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", True)
+    shared = token_ids(30, 14)
+    prompts = [shared + token_ids(31 + i, n) for i, n in enumerate((3, 9, 6))]
+    kw = dict(max_prefill_length=7, cuda_graph_max_bs=4)
+    (want,), llm = serve(folders[name], prompts, cache_type="naive", **kw)
+    llm.shutdown()
+    got, llm = serve(folders[name], prompts, rounds=2, cache_type="radix", **kw)
+    hits = llm.scheduler.prefill.cached_tokens_total
+    llm.shutdown()
+    assert hits >= 2 * 12 + 3 * 16  # the shared pages in round one, whole prompts in round two
+    assert got == [want, want]
+
+
+@pytest.mark.parametrize("name", ["e2b", "a4b"])
+def test_overlap_scheduling_gives_the_plain_tokens(folders, plain, name, monkeypatch) -> None:
+    """Overlap on: each step is launched before the last one's tokens are read; chunked at 7,
+    radix cache, emulated decode graphs."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    (got,), llm = serve(folders[name], SPEC_PROMPTS, max_prefill_length=7, cuda_graph_max_bs=4)
+    assert llm.scheduler.overlap
+    llm.shutdown()
+    assert got == plain[name]
 
 
 # ---- tensor parallelism: two ranks over gloo equal one ----------------------------------
