@@ -11,8 +11,9 @@ Each is compared with transformers under teacher forcing (a prefill in two chunk
 steps, the prompt longer than the window) on the torch and the Triton backends, and in greedy
 tokens through the offline API (batched, chunked prefill, the radix cache, emulated decode
 graphs); speculative decoding (partly wrong drafts through verify graphs, suffix drafts),
-radix hits and overlap scheduling each give the tokens of a plain run. The Triton kernels run head_dim 512 against the torch backend; the four published
-configs parse and size the engine by layer group.
+radix hits and overlap scheduling each give the tokens of a plain run. The Triton kernels
+run head_dim 512 against the torch backend; the four published configs parse and size the
+engine by layer group, and tensor parallelism checks the full layers' KV heads.
 """
 
 from __future__ import annotations
@@ -514,3 +515,18 @@ def test_published_configs_parse_and_size(tmp_path: Path, name: str) -> None:
         theirs = Gemma4ForCausalLM(hf_config)
     count = sum(t.numel() for n, t in theirs.state_dict().items() if n != "lm_head.weight")
     assert sum(p.numel() for p in ours.parameters()) == count
+
+
+def test_tensor_parallel_check_counts_the_global_kv_heads(tmp_path: Path) -> None:
+    """Start-up splits the full layers' KV heads too: 2 of them over 4 ranks are held whole
+    by pairs of ranks (as one KV head is by every rank), 3 over 2 ranks cannot be split and
+    are refused by name before anything loads."""
+    from minisgl.layers.parallel import check_tp
+
+    config = json.loads(json.dumps(PUBLISHED["26B-A4B"]))
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    check_tp(ModelConfig.from_path(tmp_path), 4)
+    config["text_config"]["num_global_key_value_heads"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="num_global_key_value_heads 3 neither divides 2"):
+        check_tp(ModelConfig.from_path(tmp_path), 2)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.distributed import Split, all_reduce, get_tp_info
+from minisgl.models.families import kv_head_counts  # [ch29]
 
 if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
@@ -36,11 +37,11 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
     if moe is not None:
         sizes["moe_intermediate_size"] = moe.intermediate_size
     problems = [f"{k} {v} is not divisible by {tp_size}" for k, v in sizes.items() if v % tp_size]
-    kv = config.num_kv_heads
-    if kv % tp_size and tp_size % kv:  # fewer KV heads than ranks: each must serve whole ranks
-        problems.append(
-            f"num_key_value_heads {kv} neither divides {tp_size} nor is divisible by it"
-        )
+    kv_heads = {"num_key_value_heads": config.num_kv_heads}
+    kv_heads = kv_head_counts(config)  # and Gemma 4's full layers'  # [ch29]
+    for name, kv in kv_heads.items():  # fewer KV heads than ranks: each must serve whole ranks
+        if kv % tp_size and tp_size % kv:
+            problems.append(f"{name} {kv} neither divides {tp_size} nor is divisible by it")
     if problems:
         raise ValueError(f"cannot split this model over {tp_size} ranks: {'; '.join(problems)}")
 

@@ -320,6 +320,15 @@ def kv_shape(config: ModelConfig, layer_id: int) -> tuple[int, int]:
     return config.num_kv_heads, config.head_dim
 
 
+def kv_head_counts(config: ModelConfig) -> dict[str, int]:
+    """Every count of KV heads the layers have, by its config name: tensor parallelism must
+    split (or replicate) each of them, Gemma 4's full layers' as well as the others'."""
+    counts = {"num_key_value_heads": config.num_kv_heads}
+    if config.gemma4 is not None and FULL in config.layer_types:
+        counts["num_global_key_value_heads"] = config.gemma4.global_kv_heads
+    return counts
+
+
 def kv_pool_layers(config: ModelConfig) -> list[int | None]:
     """Each layer's layer in the KV pool: the layers that store keys, numbered in order; a
     KV-shared layer reads its source's; a linear layer keeps none (None)."""
