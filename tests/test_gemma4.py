@@ -530,3 +530,28 @@ def test_tensor_parallel_check_counts_the_global_kv_heads(tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="num_global_key_value_heads 3 neither divides 2"):
         check_tp(ModelConfig.from_path(tmp_path), 2)
+
+
+def test_kernel_launches_fit_a_block_at_head_dim_512() -> None:
+    """The decode and extend launches keep their measured blocks up to head_dim 256 and fit
+    227 KB of shared memory at 512 (bf16 and FP8 caches), where the measured ones do not."""
+    from minisgl.kernels.attention import decode_launch, extend_launch
+    from minisgl.kernels.tile_fit import SMEM_PER_BLOCK, fit_launch, tile_bytes
+
+    bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+    launches = [(decode_launch(bs, kv), kv) for bs in (1, 8, 256) for kv in (bf16, fp8)]
+    launches += [(extend_launch(n, kv), kv) for n in (16, 1024) for kv in (bf16, fp8)]
+    too_big = 0
+    for launch, kv in launches:
+        rows = launch.block_m or 16  # 8 query heads a KV head: decode's 16 rows
+        for head_dim in (64, 128, 256):
+            assert fit_launch(launch, 8, head_dim, bf16, kv) is launch
+            assert tile_bytes(rows, launch, head_dim, bf16, kv) <= SMEM_PER_BLOCK
+        fitted = fit_launch(launch, 8, 512, bf16, kv)
+        assert tile_bytes(fitted.block_m or 16, fitted, 512, bf16, kv) <= SMEM_PER_BLOCK
+        too_big += tile_bytes(rows, launch, 512, bf16, kv) > SMEM_PER_BLOCK
+    assert too_big >= 4
+    # bf16 decode at batch 8: 64 keys a block need 415,744 B at 512, 32 need 218,112 B
+    assert fit_launch(decode_launch(8, bf16), 8, 512, bf16, bf16).block_n == 32
+    long = fit_launch(extend_launch(1024, bf16), 8, 512, bf16, bf16)
+    assert (long.block_m, long.block_n, long.stages) == (32, 16, 3)  # 64 x 512 fp32 spills

@@ -23,6 +23,7 @@ from minisgl.kernels.attention import (
     decode_num_splits,
 )
 from minisgl.kernels.fp8_attention import _fp16, fp16_dots  # [ch28]
+from minisgl.kernels.tile_fit import fit_launch  # [ch29]
 
 
 @triton.jit
@@ -130,6 +131,7 @@ def decode_attention(
     partial = torch.empty(bs, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(bs, q_heads, splits, dtype=torch.float32, device=q.device)
     launch = decode_launch(bs, k_cache.dtype)
+    launch = fit_launch(launch, group, head_dim, q.dtype, k_cache.dtype)  # [ch29]
     _decode_split_kernel[(bs, kv_heads, splits)](
         q, k_cache, v_cache, page_table, rows, seq_lens, partial, lse,
         sm_scale,

@@ -17,6 +17,7 @@ from minisgl.kernels.attention import (
     extend_launch,
 )
 from minisgl.kernels.fp8_attention import _fp16, fp16_dots  # [ch28]
+from minisgl.kernels.tile_fit import fit_launch  # [ch29]
 
 
 @triton.jit
@@ -109,6 +110,7 @@ def extend_attention(
     kv_heads = k_cache.size(1)
     bs = rows.size(0)
     launch = extend_launch(max_extend_len, k_cache.dtype)
+    launch = fit_launch(launch, q_heads // kv_heads, head_dim, q.dtype, k_cache.dtype)  # [ch29]
     out = torch.empty_like(q)
     grid = (bs, q_heads, triton.cdiv(max_extend_len, launch.block_m))
     _extend_kernel[grid](
