@@ -555,3 +555,37 @@ def test_kernel_launches_fit_a_block_at_head_dim_512() -> None:
     assert fit_launch(decode_launch(8, bf16), 8, 512, bf16, bf16).block_n == 32
     long = fit_launch(extend_launch(1024, bf16), 8, 512, bf16, bf16)
     assert (long.block_m, long.block_n, long.stages) == (32, 16, 3)  # 64 x 512 fp32 spills
+
+
+@pytest.mark.parametrize("name", ["E2B", "qwen3.5-0.8B"])
+def test_fp8_kv_scales_land_on_the_pool_layer_a_layer_stores_in(tmp_path, name) -> None:
+    """A checkpoint numbers its KV scales by model layer; the pool numbers only the layers
+    that store KV. E2B's last 20 layers store none (they read their source's keys, so its
+    scale); Qwen3.5-0.8B's attention layers are every fourth (3, 7, ...), pool layers 0, 1, ...
+    Each pool layer gets its own model layer's scales, and each layer attends with those of
+    the layer whose keys it reads."""
+    from test_qwen3_5 import PUBLISHED as QWEN
+
+    from minisgl.models.families import attention_layers, kv_pool_layers, kv_source
+    from minisgl.quant.kv_scales import KVScales, use_kv_scales
+
+    raw = PUBLISHED[name] if name == "E2B" else QWEN["0.8B"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    mc = ModelConfig.from_path(tmp_path)
+    layout = KVLayout.of(mc, 4096)
+    pool = layout.new_pool(2, 4, torch.float8_e4m3fn, torch.device("cpu"))
+    scales = KVScales(mc.num_layers)
+    layers = attention_layers(mc)
+    scales.k = {i: 0.01 * (i + 1) for i in layers}  # shared layers too: never read
+    scales.v = {i: 0.02 * (i + 1) for i in layers}
+    model = torch.nn.Module()
+    model.kv_scales = scales
+    use_kv_scales(model, pool)
+    pool_layer = kv_pool_layers(mc)
+    assert len(pool.k_scale) == len(layout.stored_layers()) < mc.num_layers
+    for i in layers:  # the scales layer i attends with: those of the layer it reads
+        source = kv_source(mc, i)
+        assert pool.scales(pool_layer[i]) == (scales.k[source], scales.v[source])
+    del scales.k[layers[1]]
+    with pytest.raises(ValueError, match=f"no KV-cache scales for layers \\[{layers[1]}\\]"):
+        use_kv_scales(model, layout.new_pool(2, 4, torch.float8_e4m3fn, torch.device("cpu")))

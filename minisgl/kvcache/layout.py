@@ -113,13 +113,21 @@ class KVLayout:
     def new_pool(
         self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
     ) -> MHAKVCache:
-        """Chapter 3's pool for one group; one storage per group for several."""
+        """Chapter 3's pool for one group; one storage per group for several. Either knows
+        the model layer each of its layers stores (an FP8 cache's scales are by model layer)."""
         if len(self.groups) > 1:
-            return GroupedKVCache(self, num_pages, page_size, dtype, device)
-        g = self.groups[0]
-        return MHAKVCache(
-            len(g.layers), num_pages, page_size, g.kv_heads, g.head_dim, dtype, device
-        )
+            pool: MHAKVCache = GroupedKVCache(self, num_pages, page_size, dtype, device)
+        else:
+            g = self.groups[0]
+            pool = MHAKVCache(
+                len(g.layers), num_pages, page_size, g.kv_heads, g.head_dim, dtype, device
+            )
+        pool.stored_layers = self.stored_layers()  # type: ignore[attr-defined]
+        return pool
+
+    def stored_layers(self) -> list[int]:
+        """The model layer that each pool layer stores."""
+        return [self.groups[g].layers[k] for g, k in self.place]
 
     def describe(self, dtype: torch.dtype) -> str:
         """One line: each group's bytes a token, the shared layers, the total against every

@@ -72,13 +72,14 @@ class KVScales:
         return True
 
     def done(self, model: nn.Module) -> None:
-        """After the last file: the scales on the model (`model.kv_scales`), every layer's
-        pair or none at all."""
+        """After the last file: the scales on the model (`model.kv_scales`), a pair for
+        each layer given one (a layer that keeps no KV has none: `use_kv_scales` checks
+        that every layer the cache stores has its pair)."""
         if not self.k and not self.v:
             return
         missing = [
             f"{kind}_scale of layer {i}"
-            for i in range(self.num_layers)
+            for i in sorted(self.k.keys() | self.v.keys())
             for kind, found in (("k", self.k), ("v", self.v))
             if i not in found
         ]
@@ -104,8 +105,12 @@ def use_kv_scales(model: nn.Module, cache: MHAKVCache) -> None:
             cache.dtype,
         )
         return
-    k = [scales.k[i] for i in range(scales.num_layers)]
-    v = [scales.v[i] for i in range(scales.num_layers)]
+    # The cache's layer l stores model layer stored[l]: the same but where some layers keep
+    # no KV of their own (kvcache/layout.py numbers the ones that do).
+    stored = getattr(cache, "stored_layers", range(scales.num_layers))
+    if missing := [i for i in stored if i not in scales.k]:
+        raise ValueError(f"the checkpoint has no KV-cache scales for layers {missing}")
+    k, v = [scales.k[i] for i in stored], [scales.v[i] for i in stored]
     cache.k_scale, cache.v_scale = k, v  # before the first forward: a graph keeps its numbers
     logger.info(
         "FP8 KV cache with the checkpoint's scales: k_scale %.3g-%.3g, v_scale %.3g-%.3g",
