@@ -256,9 +256,10 @@ def meta_model(shape: str, num_layers: int | None, dtype: torch.dtype):
     arch = spec.pop("arch")
     if num_layers is not None:
         spec["num_hidden_layers"] = num_layers
-        if spec.get("num_kv_shared_layers"):  # keep the share of layers that read another's
-            full = SHAPES[shape]["num_hidden_layers"]
-            spec["num_kv_shared_layers"] = spec["num_kv_shared_layers"] * num_layers // full
+        if spec.get("num_kv_shared_layers"):  # keep the share of layers that read another's,
+            full = SHAPES[shape]["num_hidden_layers"]  # a global layer among those that store
+            shared = spec["num_kv_shared_layers"] * num_layers // full
+            spec["num_kv_shared_layers"] = max(0, min(shared, num_layers - spec["layer_pattern"]))
     pattern = spec.pop("layer_pattern", None)
     if pattern:  # Gemma 4: pattern - 1 sliding layers, then a global one, repeated
         spec["layer_types"] = [
