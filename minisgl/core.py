@@ -139,8 +139,8 @@ class Batch:
         self.token_dest: torch.Tensor  # [size] int64, device: where each sampled token goes
         # in the token pool, as a flat index (row * width + position)
         self.attn_metadata: BaseAttnMetadata
-        self.state_slots: torch.Tensor  # [padded size] int64: recurrent-state slots  # [ch29]
-        self.state_offsets: torch.Tensor  # [padded size + 1] int64: where tokens start  # [ch29]
+        self.state_slots: torch.Tensor  # [padded size] int64: recurrent-state slots  # [ch31]
+        self.state_offsets: torch.Tensor  # [padded size + 1] int64: where tokens start  # [ch31]
         # >>> ch25 prefill: the tokens the LM head projects, when not just each request's last
         self.logit_rows: torch.Tensor | None = None
         # <<< ch25
@@ -176,7 +176,7 @@ class Context:
         self.attn_backend = attn_backend
         self._batch: Batch | None = None
         self.breakable: Any = None  # the breakable graph being captured or replayed  # [ch23]
-        self.state_pool: Any = None  # a hybrid's recurrent states (kvcache/state_pool.py)  # [ch29]
+        self.state_pool: Any = None  # a hybrid's recurrent states (kvcache/state_pool.py)  # [ch31]
 
     @property
     def batch(self) -> Batch:

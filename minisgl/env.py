@@ -67,9 +67,9 @@ class _Env:
         cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
         self.CACHE_DIR = EnvVar.read("CACHE_DIR", os.path.join(cache_home, "minisgl"))
         # <<< ch20
-        # >>> ch29 the Gated DeltaNet layers' kernels: torch (the reference) or triton (ours)
+        # >>> ch31 the Gated DeltaNet layers' kernels: torch (the reference) or triton (ours)
         self.GATED_DELTA = EnvVar.read("GATED_DELTA", "torch", choices=("torch", "triton"))
-        # <<< ch29
+        # <<< ch31
 
 
 ENV = _Env()

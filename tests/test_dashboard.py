@@ -124,6 +124,7 @@ def test_snapshot_is_the_schedulers_state(llm):
     shared_node = next(n for n in last.tree["nodes"] if ends[n["id"]] == len(shared))
     assert shared_node["children"] == 3 and shared_node["refs"] == 0
     assert last.tree["total_tokens"] == s.cache.cache.evictable_tokens
+    assert not {k for k in last.counters if k.startswith("state_")}  # no linear layers
 
 
 def prefix_ends(nodes: list[dict[str, Any]]) -> list[int]:

@@ -332,3 +332,41 @@ def test_the_hit_rate_tool_runs(capsys) -> None:
     rates = [float(line.split()[-2].rstrip("%")) for line in out.splitlines() if "%" in line]
     assert len(rates) == 4 and "DIFFER" not in out
     assert rates[0] >= rates[1] > 0 and rates[3] == 0
+
+
+# ---- the live page's counters: the state pool of a hybrid -----------------------------------
+
+
+def test_the_live_page_counts_state_slots_and_snapshots(model) -> None:
+    """The counters the page reads (chapter 30's snapshot, as it crosses the socket): slots in
+    use are the running requests, of max_running_req; snapshots held grow as requests leave."""
+    from minisgl.message.backend import UserMsg
+    from minisgl.message.codec import decode, encode
+    from minisgl.message.dashboard import WatchMsg
+    from minisgl.scheduler.observe import Observer
+
+    llm = LLM(model, **SERVE)
+    try:
+        s = llm.scheduler
+        observer = Observer(s)
+        observer.receive([WatchMsg(30.0)])
+        prompts = [token_ids(300 + i, 20) for i in range(3)]
+        msgs = [UserMsg(500 + i, p, PARAMS) for i, p in enumerate(prompts)]
+        observer.receive(msgs)
+        s.receive(msgs)
+        seen = []
+        while s.has_work:
+            observer.next_at = 0.0  # a snapshot after every step
+            if (snap := observer.publish(s.step())) is not None:
+                seen.append(decode(encode(snap)).counters)
+        pool = llm.engine.state_pool
+        assert seen and pool is not None
+        for c in seen:
+            assert c["state_slots"] == SERVE["max_running_req"]
+            assert c["state_slots_in_use"] == c["running"]
+            assert c["state_snapshots"] == pool.num_snapshots > 0
+        assert max(c["state_slots_in_use"] for c in seen) == len(prompts)
+        assert seen[-1]["state_slots_in_use"] == 0
+        assert seen[-1]["state_snapshots_held"] == len(prompts)  # one as each request left
+    finally:
+        llm.shutdown()

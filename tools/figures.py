@@ -737,6 +737,43 @@ def ch26_verify(out: Path) -> Path:
     return save(fig, out, "ch26_verify_batch")
 
 
+# ---- chapter 31: what the prefix cache serves a hybrid model, turn by turn ----------------
+
+
+def ch31_state(out: Path) -> Path:
+    """The chapter 31 example's chat, run with its own code: per turn, the prompt tokens the
+    model computed and those the cache served, for the hybrid with state snapshots, the
+    hybrid with the naive cache and the attention-only model."""
+    import importlib.util
+    import tempfile
+
+    spec = importlib.util.spec_from_file_location("ch31_state", "examples/ch31_state.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # its main() does not run: only the functions load
+    with tempfile.TemporaryDirectory() as tmp:
+        results = example.runs(Path(tmp))
+    turns = len(next(iter(results.values())))
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    width = 0.26
+    for k, (name, run) in enumerate(results.items()):
+        x = [t + (k - 1) * width for t in range(turns)]
+        served = [r["cached"] for r in run]
+        computed = [r["prompt"] - r["cached"] for r in run]
+        ax.bar(x, served, width * 0.92, color=COLORS[k], label=f"{name}: served from the cache")
+        ax.bar(x, computed, width * 0.92, bottom=served, color=COLORS[k], alpha=0.3,
+               hatch="//", edgecolor="white")  # fmt: skip
+        for xi, s, c in zip(x, served, computed):
+            ax.text(xi, s + c + 3, f"{s}", ha="center", fontsize=7)
+    ax.bar([0], [0], color=MUTED, alpha=0.3, hatch="//", label="computed (light)")
+    ax.set_xticks(range(turns), [f"turn {t + 1}" for t in range(turns)])
+    ax.set_ylabel("prompt tokens (all conversations)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.set_title("a hybrid's cached prefix is usable where a state snapshot ends it", fontsize=9)
+    return save(fig, out, "ch31_prefix_hits")
+
+
 FIGURES: dict[str, Callable[[Path], Path]] = {
     "ch03": ch03_pool,
     "ch04": ch04_mask,
@@ -745,6 +782,7 @@ FIGURES: dict[str, Callable[[Path], Path]] = {
     "ch12": ch12_timeline,
     "ch18": ch18_padding,
     "ch26": ch26_verify,
+    "ch31": ch31_state,
 }
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from minisgl.attention import NAMES as ATTENTION_BACKENDS
 from minisgl.engine.graph_config import GraphConfig  # [ch18]
-from minisgl.engine.hybrid import HybridConfig, check_hybrid  # [ch29]
+from minisgl.engine.hybrid import HybridConfig, check_hybrid  # [ch31]
 from minisgl.engine.tp_config import ParallelConfig  # [ch21]
 from minisgl.quant.config import QuantConfig, check_checkpoint_quantization  # [ch28]
 from minisgl.speculative.config import SpeculativeConfig, check_draft_model  # [ch26]
@@ -31,7 +31,7 @@ class EngineConfig(
     ParallelConfig,  # [ch21]
     SpeculativeConfig,  # the engine sizes its verify graphs by it  # [ch26]
     QuantConfig,  # [ch28]
-    HybridConfig,  # the recurrent states' snapshots  # [ch29]
+    HybridConfig,  # the recurrent states' snapshots  # [ch31]
 ):
     model_path: str
     # A torch dtype or its name; None: fp32 on CPU, on GPU the checkpoint's (else bf16).
@@ -75,4 +75,4 @@ def check_model_files(config: EngineConfig) -> None:
     read or any process started."""
     check_checkpoint_quantization(config.quantization, config.model_path)  # [ch28]
     check_draft_model(config)  # [ch26]
-    check_hybrid(config)  # what a hybrid model (Qwen3.5) cannot do yet  # [ch29]
+    check_hybrid(config)  # what a hybrid model (Qwen3.5) cannot do yet  # [ch31]

@@ -69,13 +69,13 @@ class Engine:
         pools = make_pools(shape, self.num_pages)
         self.kv_cache, self.page_table = pools.kv_cache, pools.page_table
         self.token_pool, self.dummy_req = pools.token_pool, pools.dummy_req
-        self.state_pool = pools.state_pool  # a hybrid model's recurrent states  # [ch29]
+        self.state_pool = pools.state_pool  # a hybrid model's recurrent states  # [ch31]
         use_kv_scales(self.model, self.kv_cache)  # the checkpoint's, for an FP8 cache  # [ch28]
         clock.lap("KV pool")
         # ---- attention backend
         self.attn_backend = backend = _create_backend(shape, self.kv_cache, self.page_table)
         self.ctx = Context(self.attn_backend)
-        self.ctx.state_pool = self.state_pool  # [ch29]
+        self.ctx.state_pool = self.state_pool  # [ch31]
         set_global_ctx(self.ctx)
         clock.lap("attention backend")
         # >>> ch18 graphs: every shape to capture, then one loop that captures them
@@ -131,10 +131,10 @@ class Engine:
         batch.input_ids = self.token_pool.take(places_d)
         batch.out_loc = self.page_table.take(places_d)
         self.attn_backend.prepare_metadata(batch)
-        # >>> ch29 a hybrid model: each request's state slot, zeroed for its first forward
+        # >>> ch31 a hybrid model: each request's state slot, zeroed for its first forward
         if self.state_pool is not None:
             self.state_pool.prepare(batch)
-        # <<< ch29
+        # <<< ch31
 
     def forward_batch(self, batch: Batch) -> ForwardOutput:
         """One forward and one sampled token per request; each token also goes into the pool.
@@ -174,8 +174,8 @@ class Engine:
         batch.positions = torch.zeros(1, dtype=torch.int32, device=self.device)
         batch.out_loc = self.page_table[row, :1]
         self.attn_backend.prepare_metadata(batch)
-        if self.state_pool is not None:  # [ch29]
-            self.state_pool.prepare(batch)  # the dummy request's own slot  # [ch29]
+        if self.state_pool is not None:  # [ch31]
+            self.state_pool.prepare(batch)  # the dummy request's own slot  # [ch31]
         with self.ctx.forward_batch(batch):
             self.model.forward()
 

@@ -49,8 +49,8 @@ class GraphCaptureBuffer:
     out_loc: torch.Tensor  # [tokens]
     positions: torch.Tensor  # [tokens]
     logits: torch.Tensor  # [rows, vocab]
-    state_slots: torch.Tensor | None = None  # [requests] a hybrid's state slots  # [ch29]
-    state_offsets: torch.Tensor | None = None  # [requests + 1] where their tokens start  # [ch29]
+    state_slots: torch.Tensor | None = None  # [requests] a hybrid's state slots  # [ch31]
+    state_offsets: torch.Tensor | None = None  # [requests + 1] where their tokens start  # [ch31]
 
     @classmethod
     def init(
@@ -71,9 +71,9 @@ class GraphCaptureBuffer:
             self.out_loc[s],
             self.positions[s],
         )
-        if self.state_slots is not None:  # [ch29]
-            batch.state_slots = self.state_slots[: batch.size]  # [ch29]
-            batch.state_offsets = self.state_offsets[: batch.size + 1]  # [ch29]
+        if self.state_slots is not None:  # [ch31]
+            batch.state_slots = self.state_slots[: batch.size]  # [ch31]
+            batch.state_offsets = self.state_offsets[: batch.size + 1]  # [ch31]
 
     def copy_from(self, batch: Batch) -> None:
         """Before replay: this step's inputs go into the buffers."""
@@ -81,9 +81,9 @@ class GraphCaptureBuffer:
         self.input_ids[s] = batch.input_ids
         self.out_loc[s] = batch.out_loc
         self.positions[s] = batch.positions
-        if self.state_slots is not None:  # padded with the dummy request's slot  # [ch29]
-            self.state_slots[: len(batch.state_slots)] = batch.state_slots  # [ch29]
-            self.state_offsets[: len(batch.state_offsets)] = batch.state_offsets  # [ch29]
+        if self.state_slots is not None:  # padded with the dummy request's slot  # [ch31]
+            self.state_slots[: len(batch.state_slots)] = batch.state_slots  # [ch31]
+            self.state_offsets[: len(batch.state_offsets)] = batch.state_offsets  # [ch31]
 
 
 class EmulatedGraph:
@@ -265,9 +265,9 @@ class GraphRunner:
             max(s.tokens for _, s in todo), rows, vocab_size, self.device
         )
         pool, ctx = None, get_global_ctx()
-        if (states := ctx.state_pool) is not None:  # [ch29]
-            n, buf = max(s.slots for _, s in todo), self.buffer  # [ch29]
-            buf.state_slots, buf.state_offsets = states.graph_buffers(n, plan.dummy_req)  # [ch29]
+        if (states := ctx.state_pool) is not None:  # [ch31]
+            n, buf = max(s.slots for _, s in todo), self.buffer  # [ch31]
+            buf.state_slots, buf.state_offsets = states.graph_buffers(n, plan.dummy_req)  # [ch31]
         with _gc_frozen(self.stream is not None):
             for kind, shape in todo:
                 batch = kind.capture_batch(shape, self.attn_backend)

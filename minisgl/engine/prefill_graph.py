@@ -23,7 +23,7 @@ from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req
 from minisgl.engine.breakable import BoundaryBuffers, BreakableGraph
 from minisgl.engine.graph import GraphKind, GraphPlan, GraphShape
-from minisgl.engine.hybrid import graph_blocker  # [ch29]
+from minisgl.engine.hybrid import graph_blocker  # [ch31]
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
@@ -134,7 +134,7 @@ def plan_prefill_graphs(
     if mode == "off":
         return []
     blocker = plan.blocker
-    blocker = blocker or graph_blocker(shape.model_config)  # a hybrid's  # [ch29]
+    blocker = blocker or graph_blocker(shape.model_config)  # a hybrid's  # [ch31]
     if blocker is not None:
         logger.info("prefill graphs off: %s", blocker)
         return []

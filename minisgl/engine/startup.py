@@ -110,7 +110,7 @@ def pages_from_budget(shape: EngineShape) -> int:
         budget = int(free * ENV.MEMORY_FRACTION.value)
     else:
         budget = ENV.CPU_KV_CACHE_MB.value * 2**20
-    budget = layout.budget_after_states(shape, budget, per_page)  # a hybrid's come first  # [ch29]
+    budget = layout.budget_after_states(shape, budget, per_page)  # a hybrid's come first  # [ch31]
     useful = config.max_running_req * cdiv(shape.max_seq_len, shape.page_size)
     pages = min(budget // per_page, useful)
     if pages < 1:
@@ -127,7 +127,7 @@ class Pools:
     page_table: torch.Tensor  # [rows, width] int32
     token_pool: torch.Tensor  # [rows, width] int32
     dummy_req: Req  # the padding request of a graph batch: the last row, the dummy page
-    state_pool: layout.RecurrentStatePool | None = None  # a hybrid's: a slot a row  # [ch29]
+    state_pool: layout.RecurrentStatePool | None = None  # a hybrid's: a slot a row  # [ch31]
 
 
 def make_pools(shape: EngineShape, num_pages: int) -> Pools:
@@ -145,7 +145,7 @@ def make_pools(shape: EngineShape, num_pages: int) -> Pools:
     page_table[rows - 1] = dummy_slots.to(device, torch.int32)
     dummy_req = Req(torch.zeros(1, dtype=torch.int32), rows - 1, 0, 1, -1, SamplingParams())
     pools = Pools(kv_cache, page_table, token_pool, dummy_req)
-    pools.state_pool = layout.make_state_pool(shape, rows)  # a hybrid's recurrent states  # [ch29]
+    pools.state_pool = layout.make_state_pool(shape, rows)  # a hybrid's recurrent states  # [ch31]
     return pools
 
 

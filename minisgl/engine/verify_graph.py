@@ -17,7 +17,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from minisgl.engine.graph import GraphPlan, GraphShape
-from minisgl.engine.hybrid import verify_graph_blocker  # [ch29]
+from minisgl.engine.hybrid import verify_graph_blocker  # [ch31]
 from minisgl.engine.prefill_graph import PrefillGraphs
 
 if TYPE_CHECKING:
@@ -53,8 +53,8 @@ def plan_verify_graphs(
     config = shape.config
     if config.speculative == "off" or not any(k.shapes for k in plan.kinds):
         return []  # no graphs at all (off, or the model or backend cannot be captured)
-    if verify_graph_blocker(shape.model_config) is not None:  # a hybrid's  # [ch29]
-        return []  # [ch29]
+    if verify_graph_blocker(shape.model_config) is not None:  # a hybrid's  # [ch31]
+        return []  # [ch31]
     max_bs = min(config.speculative_max_bs, config.max_running_req)
     max_tokens = min(max_bs * (config.num_draft_tokens + 1), plan.max_seq_len)
     full = plan.emulated or "prefill" in backend.cuda_graphs

@@ -14,7 +14,7 @@ class MatchResult:
     node: Any  # handle to lock while a request uses the prefix
     length: int  # matched tokens, a multiple of page_size
     slots: torch.Tensor  # their KV slots, [length] int32
-    stop: int | None = None  # a hybrid's first forward ends here, to save its state  # [ch29]
+    stop: int | None = None  # a hybrid's first forward ends here, to save its state  # [ch31]
 
 
 class CacheListener(Protocol):

@@ -35,15 +35,21 @@ import torch
 
 from minisgl.distributed import rank_heads
 from minisgl.kvcache.mha_pool import MHAKVCache
+
+# >>> ch31 the recurrent states, which start-up asks for through this module
 from minisgl.kvcache.state_pool import RecurrentStatePool, budget_after_states, make_state_pool
+
+# <<< ch31
 from minisgl.models.families import attention_layers, kv_pool_layers, kv_shape, kv_source, sliding
 
 if TYPE_CHECKING:
     from minisgl.attention.base import BaseAttnBackend
     from minisgl.models.config import ModelConfig
 
+# >>> ch31
 __all__ = ["GroupedKVCache", "KVGroup", "KVLayout", "RecurrentStatePool", "budget_after_states",
            "make_state_pool"]  # fmt: skip
+# <<< ch31
 logger = logging.getLogger(__name__)
 # The backends whose kernels take each layer's head_dim and KV heads from its cache tensors;
 # FlashInfer and flash-attn plan, or are built for, one head_dim (and flash-attn's stop at 256).

@@ -10,7 +10,7 @@
 - A Gemma 3 checkpoint states only what differs from Gemma 3's defaults, and a multimodal
   one (`Gemma3ForConditionalGeneration`, as Qwen3.5's) keeps its text model's config in
   `text_config` and its weights under a prefix, next to a vision tower that a text server skips.
-- A layer may keep no keys at all: Qwen3.5's `linear_attention` layers (Gated DeltaNet) keep a
+- A layer may keep no keys at all: Qwen3.5's "linear_attention" layers (Gated DeltaNet) keep a
   fixed-size recurrent state per request instead (`LinearAttention` has its shapes), and
   only the `full_attention` layers have KV pages (`attention_layers`).
 - Gemma 4 gives its full layers a KV geometry of their own (`kv_shape`) and lets its last
@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 _GEMMA3 = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 _GEMMA4 = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
-# Their text model's config in `text_config`.
-_QWEN3_5_MM = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+# Their text model's config in `text_config`.  # [ch31]
+_QWEN3_5_MM = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")  # [ch31]
 # Gemma3TextConfig's defaults: what a Gemma 3 config.json leaves out.
 GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "vocab_size": 262_208,
@@ -57,9 +57,9 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "rope_theta": 1_000_000.0,
     "rope_local_base_freq": 10_000.0,
 }
-# Routers that renormalise their top-k weights whatever config.json says (or leaves out).
-_ALWAYS_NORMALISED = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")
-_QWEN3_NEXT = "Qwen3NextForCausalLM"  # a hybrid whose config may leave layer_types out
+# Routers that renormalise their top-k weights, whatever config.json says.  # [ch31]
+_ALWAYS_NORMALISED = ("Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeForCausalLM")  # [ch31]
+_QWEN3_NEXT = "Qwen3NextForCausalLM"  # a hybrid whose config may leave layer_types out  # [ch31]
 # Where a multimodal checkpoint keeps its text model's tensors, and what else it holds.
 _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.", ""))
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
@@ -83,7 +83,7 @@ GEMMA4_TEXT_DEFAULTS: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class LinearAttention:
-    """The shapes of a model's Gated DeltaNet layers (Qwen3.5's `linear_attention`)."""
+    """The shapes of a model's Gated DeltaNet layers (Qwen3.5's "linear_attention" layers)."""
 
     num_key_heads: int
     num_value_heads: int  # a multiple of num_key_heads: each q/k head serves several
@@ -144,6 +144,7 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
     """The config of the text model to build: Gemma 3's defaults under what the checkpoint
     states, its `text_config` lifted out of a multimodal one."""
     archs = raw.get("architectures") or []
+    # >>> ch31 a hybrid's (Qwen3.5, Qwen3-Next) text config
     if archs and archs[0] in _ALWAYS_NORMALISED:
         raw = {**raw, "norm_topk_prob": True}
         if raw.get("text_config"):  # a multimodal config: where its text model's fields are
@@ -155,6 +156,7 @@ def text_model_config(raw: dict[str, Any]) -> dict[str, Any]:
         return {**text, "architectures": archs, "tie_word_embeddings": tied, "torch_dtype": dtype}
     if archs and archs[0] == _QWEN3_NEXT:
         return qwen3_next_defaults(raw)
+    # <<< ch31
     if archs and archs[0] in _GEMMA4:
         return gemma4_text_config(raw)
     if not archs or archs[0] not in _GEMMA3:

@@ -19,12 +19,14 @@ _MODELS = {
     "Gemma4ForCausalLM": "minisgl.models.gemma4",
     "Gemma4ForConditionalGeneration": "minisgl.models.gemma4",
     "Phi3ForCausalLM": "minisgl.models.phi3",
+    # <<< ch29
+    # >>> ch31 hybrids: linear-attention layers with a recurrent state
     "Qwen3_5ForCausalLM": "minisgl.models.qwen3_5",
     "Qwen3_5ForConditionalGeneration": "minisgl.models.qwen3_5",
     "Qwen3_5MoeForCausalLM": "minisgl.models.qwen3_5",
     "Qwen3_5MoeForConditionalGeneration": "minisgl.models.qwen3_5",
     "Qwen3NextForCausalLM": "minisgl.models.qwen3_next",
-    # <<< ch29
+    # <<< ch31
 }
 
 

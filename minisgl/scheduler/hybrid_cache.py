@@ -186,3 +186,14 @@ def hybrid_cache(manager: CacheManager, states: RecurrentStatePool | None) -> Ca
         states.num_snapshots,
     )
     return HybridCacheManager(*args, states)
+
+
+def state_counters(reqs: int, manager: CacheManager, states: RecurrentStatePool | None) -> dict:
+    """What the live page shows of a hybrid model's recurrent states: the slots the `reqs`
+    running requests hold and the snapshots the prefix cache holds, each of its total (no
+    counters for a model without linear layers, whose page then shows none)."""
+    if states is None:
+        return {}
+    held = len(manager.snapshots.held) if isinstance(manager, HybridCacheManager) else 0
+    return {"state_slots_in_use": reqs, "state_slots": states.num_slots - 1,
+            "state_snapshots_held": held, "state_snapshots": states.num_snapshots}  # fmt: skip

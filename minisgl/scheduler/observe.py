@@ -28,7 +28,7 @@ from minisgl.core import Batch
 from minisgl.kvcache.radix_cache import RadixCache, RadixNode, access_tick
 from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
 from minisgl.message.dashboard import DashboardSnapshot, WatchMsg
-from minisgl.scheduler.hybrid_cache import HybridCacheManager
+from minisgl.scheduler.hybrid_cache import state_counters  # [ch31]
 from minisgl.scheduler.views import pool_view, tree_view
 from minisgl.utils import cdiv
 
@@ -244,7 +244,7 @@ class Observer:
             "preemptions_total": s.num_preemptions,
             "cached_tokens_total": s.prefill.cached_tokens_total,
             "steps_total": self.log.count,
-            **_states(s),
+            **state_counters(len(s.reqs), s.cache, s.engine.state_pool),  # [ch31]
         }
 
     def _running(self, req: Any, now: float) -> dict[str, Any]:
@@ -301,17 +301,6 @@ class Observer:
         view = tree_view(cache.root, last_used, self.text)
         view["clock_span_s"] = round(now - self.ticks[0][1], 1) if self.ticks else 0.0
         return view
-
-
-def _states(s: Scheduler) -> dict[str, int]:
-    """A hybrid model's recurrent states: the running requests' slots, and the snapshots the
-    prefix cache holds (none for a model without linear layers)."""
-    pool = s.engine.state_pool
-    if pool is None:
-        return {}
-    held = len(s.cache.snapshots.held) if isinstance(s.cache, HybridCacheManager) else 0
-    return {"state_slots_in_use": len(s.reqs), "state_slots": pool.num_slots - 1,
-            "state_snapshots_held": held, "state_snapshots": pool.num_snapshots}  # fmt: skip
 
 
 def _req_info(

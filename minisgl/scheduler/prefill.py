@@ -86,7 +86,7 @@ class PrefillManager:
             admitted.append(req)
             heads.setdefault(_head(req.input_ids), []).append(req)
             budget = max(0, budget - req.extend_len)
-            budget = 0 if req.mid_prompt else budget  # one prompt is cut at a time  # [ch29]
+            budget = 0 if req.mid_prompt else budget  # one prompt is cut at a time  # [ch31]
         self.chunked = next((r for r in reqs if r.mid_prompt), None)  # [ch10]
         return (Batch(reqs, "prefill"), admitted) if reqs else None
 
@@ -99,7 +99,7 @@ class PrefillManager:
         match = self.cache.match(ids)
         n = len(pending.input_ids) - match.length
         n = min(n, budget)  # cut to the budget; the rest comes in the next rounds  # [ch10]
-        n = min(n, match.stop - match.length) if match.stop else n  # to save a state  # [ch29]
+        n = min(n, match.stop - match.length) if match.stop else n  # to save a state  # [ch31]
         pages = cdiv(match.length + n, self.cache.page_size) - match.length // self.cache.page_size
         self.cache.cache.lock(match.node)  # so the check below does not count it as evictable
         fits = pages + reserve_pages <= self.cache.available_pages

@@ -33,7 +33,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.grammar import Grammars  # [ch25]
 from minisgl.scheduler.grammar_pool import GrammarPool  # [ch25]
-from minisgl.scheduler.hybrid_cache import hybrid_cache  # [ch29]
+from minisgl.scheduler.hybrid_cache import hybrid_cache  # [ch31]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
@@ -67,7 +67,7 @@ class Scheduler:
         self.table = TableManager(limits.max_running_req, engine.token_pool)
         cache_type = config.cache_type
         self.cache = CacheManager(limits.num_pages, limits.page_size, engine.page_table, cache_type)
-        self.cache = hybrid_cache(self.cache, engine.state_pool)  # with state snapshots  # [ch29]
+        self.cache = hybrid_cache(self.cache, engine.state_pool)  # with state snapshots  # [ch31]
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length)
         self.decode = DecodeManager()
         self.reqs: dict[int, Req] = {}  # admitted and not finished, by uid

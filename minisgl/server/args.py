@@ -30,7 +30,7 @@ _GRAMMAR_HELP = (
     "seconds a JSON schema may take to compile, off the step loop; beyond: a 400"  # [ch25]
 )
 _KV_HELP = "fp8_e4m3 (or fp8): keys and values stored in e4m3, twice the tokens"  # [ch28]
-_SNAPSHOT_HELP = "a hybrid model's saved states (default: a quarter of the memory)"  # [ch29]
+_SNAPSHOT_HELP = "a hybrid model's saved states (default: a quarter of the memory)"  # [ch31]
 _TEXT_HELP = "/dashboard shows prompts and outputs as text (default: token counts only)"  # [ch30]
 
 
@@ -107,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("quantization", choices=["fp8"], help=_FP8_HELP)  # [ch28]
     p.config_option("kv_cache_dtype", choices=list(KV_CACHE_DTYPES), help=_KV_HELP)  # [ch28]
     p.config_option("max_prefill_length", type=int)
-    p.config_option("state_snapshots", type=int, help=_SNAPSHOT_HELP)  # [ch29]
+    p.config_option("state_snapshots", type=int, help=_SNAPSHOT_HELP)  # [ch31]
     p.config_option("grammar_compile_timeout", type=float, help=_GRAMMAR_HELP)  # [ch25]
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
     p.add_argument("--host", default="127.0.0.1")

@@ -197,8 +197,8 @@ class Speculator:
         accepted, final = s.forward(
             batch, lambda: accept_drafts(engine.logits(batch), reqs, drafts, pool)
         )
-        if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch29]
-            engine.state_pool.keep_accepted(batch, accepted)  # [ch29]
+        if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch31]
+            engine.state_pool.keep_accepted(batch, accepted)  # [ch31]
         accepted_h, final_h = self._read_back(accepted, final, after)
         return self._emit(reqs, drafts, accepted_h, final_h)
 

@@ -52,6 +52,13 @@ function drawCounters(s) {
     ["cached-tokens", c.cached_tokens_total, "prompt tokens from the cache"],
     ["steps-total", c.steps_total, "steps recorded"],
   ];
+  if (c.state_slots !== undefined) {
+    // a hybrid model's recurrent states (chapter 31): absent for a model without linear layers
+    cards.push(
+      ["state-slots", `${c.state_slots_in_use} / ${c.state_slots}`, "state slots in use"],
+      ["state-snapshots", `${c.state_snapshots_held} / ${c.state_snapshots}`, "state snapshots held"],
+    );
+  }
   $("counters").innerHTML = cards
     .map(([id, v, label]) => `<div class="counter"><b id="c-${id}">${esc(v)}</b><span>${label}</span></div>`)
     .join("");
