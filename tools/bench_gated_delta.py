@@ -111,7 +111,7 @@ class Setup:
         self.batch = SimpleNamespace(
             state_slots=slots, state_offsets=offsets, padded_size=reqs,
             padded_reqs=[SimpleNamespace(extend_len=n) for n in lengths],
-            is_decode=max(lengths) == 1,
+            is_decode=max(lengths) == 1, phase="decode" if max(lengths) == 1 else "prefill",
         )  # fmt: skip
 
     def side(self, kernels: str) -> Callable[[], torch.Tensor]:
