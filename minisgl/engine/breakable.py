@@ -104,7 +104,9 @@ class BreakableGraph:
 
     def break_at(self, fn: Callable[..., torch.Tensor], args: tuple, kwargs: dict) -> torch.Tensor:
         # Tensor arguments move into boundary buffers inside the segment that made them.
-        name = fn.__qualname__  # every layer's attention shares the same buffers
+        # Every layer's attention of one geometry (a token's shape) shares the same buffers.
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        name = fn.__qualname__ + (str(tuple(first.shape[1:])) if first is not None else "")
         staged = tuple(
             self.boundary.stage(f"{name}:{i}", a) if isinstance(a, torch.Tensor) else a
             for i, a in enumerate(args)

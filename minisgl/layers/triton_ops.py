@@ -81,8 +81,10 @@ def attention_from_qkv(rope_store: Callable, decode: Callable | None) -> Callabl
 
     def forward(self: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
-        if decode is not None and ctx.batch.is_decode:
-            return decode(self, qkv, ctx.batch).reshape(-1, self.num_heads * self.head_dim)
+        if decode is not None and ctx.batch.is_decode:  # None: not a layer its kernel takes
+            out = decode(self, qkv, ctx.batch)
+            if out is not None:
+                return out.reshape(-1, self.num_heads * self.head_dim)
         kv = ctx.attn_backend.kv_cache
         norms = hasattr(self, "q_norm")
         q = rope_store(

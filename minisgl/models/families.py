@@ -201,7 +201,7 @@ def gemma4_text_config(raw: dict[str, Any]) -> dict[str, Any]:
     head_dim, kv_heads = merged["head_dim"], merged["num_key_value_heads"]
     full = [str(i) for i, t in enumerate(types) if t == FULL]
     if (per_layer := merged.get("per_layer_config")) is not None:
-        overrides = {str(k): v for k, v in per_layer.items()}
+        overrides = {str(int(k)): v for k, v in per_layer.items()}  # "05" or 5: layer 5
         if set(overrides) - set(full) or len({json.dumps(overrides.get(i), sort_keys=True)
                                               for i in full}) > 1:  # fmt: skip
             raise ValueError(
