@@ -67,8 +67,9 @@ class _Env:
         cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
         self.CACHE_DIR = EnvVar.read("CACHE_DIR", os.path.join(cache_home, "minisgl"))
         # <<< ch20
-        # >>> ch31 the Gated DeltaNet layers' kernels: torch (the reference) or triton (ours)
-        self.GATED_DELTA = EnvVar.read("GATED_DELTA", "torch", choices=("torch", "triton"))
+        # >>> ch31 the Gated DeltaNet layers' kernels: torch (the reference), triton (ours),
+        # auto: ours on CUDA (measured faster there: docs/benchmarks.md), torch elsewhere
+        self.GATED_DELTA = EnvVar.read("GATED_DELTA", "auto", choices=("auto", "torch", "triton"))
         # <<< ch31
 
 

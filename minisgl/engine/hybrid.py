@@ -15,7 +15,7 @@ with KV pages) cannot do yet, refused or turned off by name at start-up; and its
   scheduler/hybrid_cache.py) and hits only where one was saved.
 - Graphs: decode graphs run, their state slots in the graphs' static buffers (engine/graph.py).
   Prefill graphs (`graph_blocker`) run only on our Triton kernels
-  (MINISGL_GATED_DELTA=triton), which read each request's slot and token offsets from those
+  (MINISGL_GATED_DELTA, by default on CUDA), which read each request's slot and token offsets from those
   buffers: the torch path pads a prefill's requests to the longest, a shape it reads on the
   host, so a graph would replay the lengths it was captured with.
 
@@ -87,11 +87,13 @@ def check_hybrid(config: Any) -> None:
         raise ValueError(f"cannot split {arch} over {config.tp_size} ranks: {'; '.join(problems)}")
 
 
-def graph_blocker(model_config: ModelConfig) -> str | None:
-    """Why a model's prefill and verify graphs are off (None: they may run): a hybrid's
-    linear layers on the torch path pad a prefill's requests by lengths read on the host.
-    Our kernels read them on the device, from the graphs' buffers."""
-    if model_config.linear is None or ENV.GATED_DELTA.value == "triton":
+def graph_blocker(model_config: ModelConfig, device_type: str) -> str | None:
+    """Why a model's prefill graphs are off (None: they may run): a hybrid's linear layers
+    on the torch path pad a prefill's requests by lengths read on the host. Our kernels
+    (the default on CUDA) read them on the device, from the graphs' buffers."""
+    choice = ENV.GATED_DELTA.value
+    kernels = choice == "triton" or (choice == "auto" and device_type == "cuda")
+    if model_config.linear is None or kernels:
         return None
     return (
         "the linear-attention layers' torch path pads a prefill's requests by their lengths "

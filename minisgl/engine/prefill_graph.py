@@ -134,7 +134,7 @@ def plan_prefill_graphs(
     if mode == "off":
         return []
     blocker = plan.blocker
-    blocker = blocker or graph_blocker(shape.model_config)  # a hybrid's  # [ch31]
+    blocker = blocker or graph_blocker(shape.model_config, shape.device.type)  # [ch31]
     if blocker is not None:
         logger.info("prefill graphs off: %s", blocker)
         return []

@@ -143,10 +143,13 @@ class RecurrentStatePool:
 
 
 def gated_delta_kernels(device: torch.device) -> str:
-    """What advances the states: "torch" (the layer's reference, the default) or "triton"
-    (kernels/gated_delta.py), as MINISGL_GATED_DELTA says. Ours become the default on CUDA
-    only once measured there (tools/bench_gated_delta.py)."""
+    """What advances the states: "torch" (the layer's reference) or "triton"
+    (kernels/gated_delta.py), as MINISGL_GATED_DELTA says; by default ours on CUDA, where
+    they were measured faster at every batch size (tools/bench_gated_delta.py), and torch on
+    a CPU."""
     choice = ENV.GATED_DELTA.value
+    if choice == "auto":
+        choice = "triton" if device.type == "cuda" else "torch"
     if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
             f"MINISGL_GATED_DELTA=triton runs Triton kernels, which need a CUDA device (this "

@@ -21,12 +21,12 @@ the gated norm (per head) is whole everywhere and out_proj adds the ranks' parti
 Heads never mix until out_proj, so the recurrence runs on each rank as on one.
 
 Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA):
-- torch, the reference and the default: a batch's requests are right-padded into one
+- torch, the reference (the default on a CPU): a batch's requests are right-padded into one
   [requests, longest, ...] block (padding has beta = 0 and g = 0, so it leaves the state as
   it was), and a prefill runs the delta rule a chunk of 64 tokens at a time
   (`chunk_delta_rule`); `delta_rule` is the same rule one token at a time, in plain words.
   The padding's shape is read from the requests' lengths on the host;
-- triton (kernels/gated_delta.py): one kernel for a decode step, and for a prefill a conv
+- triton (kernels/gated_delta.py, the default on CUDA): one kernel for a decode step, and for a prefill a conv
   and the chunked rule that read every length and slot from device tensors, so a CUDA
   graph of a prefill replays correctly for any lengths.
 """
