@@ -14,8 +14,8 @@ with KV pages) cannot do yet, refused or turned off by name at start-up; and its
   computed: the prefix cache of a hybrid keeps state snapshots (`state_snapshots` of them,
   scheduler/hybrid_cache.py) and hits only where one was saved.
 - Graphs: decode graphs run, their state slots in the graphs' static buffers (engine/graph.py).
-  Prefill graphs (`graph_blocker`) run only on our Triton kernels
-  (MINISGL_GATED_DELTA, by default on CUDA), which read each request's slot and token offsets from those
+  Prefill graphs (`graph_blocker`) run only on our Triton kernels (MINISGL_GATED_DELTA,
+  by default on CUDA), which read each request's slot and token offsets from those
   buffers: the torch path pads a prefill's requests to the longest, a shape it reads on the
   host, so a graph would replay the lengths it was captured with.
 

@@ -26,9 +26,9 @@ Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA
   it was), and a prefill runs the delta rule a chunk of 64 tokens at a time
   (`chunk_delta_rule`); `delta_rule` is the same rule one token at a time, in plain words.
   The padding's shape is read from the requests' lengths on the host;
-- triton (kernels/gated_delta.py, the default on CUDA): one kernel for a decode step, and for a prefill a conv
-  and the chunked rule that read every length and slot from device tensors, so a CUDA
-  graph of a prefill replays correctly for any lengths.
+- triton (kernels/gated_delta.py, the default on CUDA): one kernel for a decode step, and
+  for a prefill a conv and the chunked rule that read every length and slot from device
+  tensors, so a CUDA graph of a prefill replays correctly for any lengths.
 """
 
 from __future__ import annotations
