@@ -20,7 +20,12 @@ TOK=${TOKENIZER_FROM:-.gpu_tok}
 STAGES=${STAGES:-latency,offline,prefill,kernels}
 SHAPES=${SHAPES:-qwen3.5-0.8b,qwen3.5-9b,gemma4-e4b,gemma4-31b}
 L31=${GEMMA4_31B_LAYERS:-16}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# The GPU machine lacks pyzmq and setproctitle (and fla-core, which the kernels stage
+# compares with): carry their wheels in .whl (`pip download` for cp312 manylinux).
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 mkdir -p "$OUT"
 log() { tee -a "$OUT/run.log"; }
 git log -1 --format='commit: %h %s' 2>/dev/null | log
