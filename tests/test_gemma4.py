@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 from helpers import TINY, Driver, all_logits, free_port, make_engine, need
 from safetensors.torch import save_file
+from test_speculative import oracle_drafter
 
 from minisgl.attention.fi import FlashInferBackend
 from minisgl.attention.torch_backend import TorchAttnBackend
@@ -243,19 +244,7 @@ def plain(folders) -> dict[str, list[list[int]]]:
 
 
 def oracle(want: list[list[int]]):
-    """Drafts from the plain run's own tokens, up to 3, the second one wrong every third step:
-    verify steps that accept all, some and none of their drafts."""
-
-    def draft(req: Req, k: int) -> list[int]:
-        ids = req.input_ids.tolist()
-        i = next(i for i, p in enumerate(SPEC_PROMPTS) if ids[: len(p)] == p)
-        done = len(ids) - len(SPEC_PROMPTS[i])
-        tokens = want[i][done : done + min(3, k)]
-        if done % 3 == 0 and len(tokens) > 1:
-            tokens[1] = (tokens[1] + 1) % VOCAB  # the model will not agree with this one
-        return tokens
-
-    return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+    return oracle_drafter(SPEC_PROMPTS, want, VOCAB)
 
 
 @pytest.mark.parametrize("name", ["e2b", "a4b"])

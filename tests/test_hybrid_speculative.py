@@ -18,8 +18,9 @@ import pytest
 import torch
 from helpers import TINY, need
 from test_qwen3_5 import TEXT, VOCAB, _perturb, token_ids
+from test_speculative import oracle_drafter
 
-from minisgl.core import Req, SamplingParams
+from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig, check_model_files
 from minisgl.kvcache.state_pool import RecurrentStatePool
 from minisgl.llm import LLM
@@ -63,19 +64,7 @@ def plain(model: Path) -> list[list[int]]:
 
 
 def oracle(want: list[list[int]]):
-    """Drafts from the plain run's own tokens, up to 3, the second one wrong every third step:
-    verify steps that accept all, some and none of their drafts."""
-
-    def draft(req: Req, k: int) -> list[int]:
-        ids = req.input_ids.tolist()
-        i = next(i for i, p in enumerate(PROMPTS) if ids[: len(p)] == p)
-        done = len(ids) - len(PROMPTS[i])
-        tokens = want[i][done : done + min(3, k)]
-        if done % 3 == 0 and len(tokens) > 1:
-            tokens[1] = (tokens[1] + 1) % VOCAB  # the model will not agree with this one
-        return tokens
-
-    return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+    return oracle_drafter(PROMPTS, want, VOCAB)
 
 
 def test_partly_wrong_drafts_give_the_plain_tokens(model, plain, monkeypatch) -> None:

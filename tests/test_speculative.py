@@ -167,8 +167,9 @@ def test_tiny_models_greedy_equal_under_chunks_cache_preemption(name, page_size,
         assert pre > 0  # too few pages for the four together: some are preempted
 
 
-def oracle_drafter(prompts: list[list[int]], want: list[list[int]]):
-    """Drafts from a plain run's own output, every third step with a wrong token in them."""
+def oracle_drafter(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
+    """Drafts from a plain run's own output, up to 3, the second one wrong every third step:
+    verify steps that accept all, some and none of their drafts."""
 
     def draft(req: Req, k: int) -> list[int]:
         ids = req.input_ids.tolist()
@@ -176,7 +177,7 @@ def oracle_drafter(prompts: list[list[int]], want: list[list[int]]):
         done = len(ids) - len(prompts[i])
         tokens = want[i][done : done + min(3, k)]
         if done % 3 == 0 and len(tokens) > 1:
-            tokens[1] = (tokens[1] + 1) % 1000  # the model will not agree with this one
+            tokens[1] = (tokens[1] + 1) % vocab  # the model will not agree with this one
         return tokens
 
     return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
