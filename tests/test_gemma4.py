@@ -29,6 +29,7 @@ import torch
 import torch.multiprocessing as mp
 from helpers import TINY, Driver, all_logits, free_port, make_engine, need
 from safetensors.torch import save_file
+from test_elementwise import ours_only
 from test_speculative import oracle_drafter
 
 from minisgl.attention.fi import FlashInferBackend
@@ -41,6 +42,7 @@ from minisgl.engine.startup import EngineShape, pages_from_budget
 from minisgl.env import ENV
 from minisgl.kvcache.allocator import page_slots
 from minisgl.kvcache.layout import GroupedKVCache, KVGroup, KVLayout, backend_for
+from minisgl.layers import activation
 from minisgl.llm import LLM
 from minisgl.models import gemma4
 from minisgl.models.config import ModelConfig
@@ -185,6 +187,10 @@ def test_logits_equal_transformers(folders, name: str, backend: str, caplog) -> 
     assert "KV per token by layer group" in caplog.text
     skipped = "model.vision_tower" if name == "a4b" else "model.layers"  # the shared k/v
     assert "not loaded" in caplog.text and skipped in caplog.text
+    if backend == "triton":  # and the norms in Gemma's fused kernel (kernels/gemma_norm.py)
+        ours_only(torch.float32).install(engine.model)
+        assert engine.model.model.norm.forward.__name__ == "fused"
+        activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it
     got = teacher_forced(engine, ids, decode=4 if backend == "torch" else 2)
     want = hf_reference(folders[name], ids)
     assert got.shape == want.shape

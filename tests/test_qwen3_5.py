@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import TINY, Driver, all_logits, make_engine, need
+from test_elementwise import ours_only
 
 from minisgl.core import Batch, SamplingParams
 from minisgl.engine.config import EngineConfig, check_model_files
@@ -29,6 +30,7 @@ from minisgl.engine.startup import EngineShape, pages_from_budget
 from minisgl.env import ENV
 from minisgl.kvcache.mha_pool import MHAKVCache
 from minisgl.kvcache.state_pool import RecurrentStatePool, state_pool_bytes
+from minisgl.layers import activation
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.models.families import attention_layers
@@ -390,3 +392,17 @@ def test_token_offsets_that_bypass_the_buffer_break_prefill_replay(folders, alon
     got, log = graph_run(llm, THREE)
     llm.shutdown()
     assert "prefill 3->4" in log and got != [a[:3] for a in alone]
+
+
+@triton_only
+def test_logits_equal_transformers_with_the_norms_fused(folders) -> None:
+    """Where fused kernels run, the kernel plan gives every GemmaRMSNorm (the layers' and
+    the final one) Gemma's one-kernel norm (kernels/gemma_norm.py), residual add included."""
+    engine = make_engine(folders["text"], page_size=4, max_running_req=4)
+    ours_only(torch.float32).install(engine.model)
+    activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it
+    layer = engine.model.model.layers[0]
+    assert layer.post_attention_layernorm.forward_add.__name__ == "fused_add"
+    ids = token_ids(0, 24)
+    got = teacher_forced(engine, ids)
+    assert (got - hf_reference(folders["text"], ids)).abs().max().item() <= TOL

@@ -29,6 +29,7 @@ SILU_BLOCK = 1024  # columns of the output per program: an MLP's width is up to 
 def _rmsnorm_kernel(
     X, R, W, Y, eps, N, heads, stride_xt, stride_xh, stride_rt, stride_yt,
     BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
+    SCALE_FIRST: tl.constexpr = False,  # [ch29]
 ):  # fmt: skip
     # One program per row. Rows of X are addressed as (token, head) so that a [tokens,
     # heads, head_dim] view of a wider qkv needs no copy; a 2-D X has heads == 1.
@@ -47,6 +48,8 @@ def _rmsnorm_kernel(
     s = s.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(s * s, axis=0) / N + eps)
     normed = (s * rstd).to(X.dtype.element_ty).to(tl.float32)
+    if SCALE_FIRST:  # Gemma's norms: a float32 weight scales before the one rounding  # [ch29]
+        normed = s * rstd  # [ch29]
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * stride_yt + cols, (normed * w).to(Y.dtype.element_ty), mask=mask)
 

@@ -95,6 +95,8 @@ class KernelPlan:
                 self._install_norm(module, norm)
             elif isinstance(module, Linear):
                 self._install_matmul(module)
+            elif hasattr(module, "install_kernels"):  # a family's own layer chooses  # [ch29]
+                module.install_kernels(self)  # [ch29]
             elif isinstance(module, AttentionLayer):
                 rotary = module.rotary
                 rotary.rotate = MethodType(rope(fi), rotary) if fi is not None else rotary.reference

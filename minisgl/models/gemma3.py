@@ -18,6 +18,9 @@ tower; `models/families.py` reads their text config and renames their tensors.
 
 from __future__ import annotations
 
+from types import MethodType
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +31,9 @@ from minisgl.layers.linear import Linear
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 from minisgl.models.llama import LlamaAttention, LlamaMLP
+
+if TYPE_CHECKING:
+    from minisgl.layers.kernel_plan import KernelPlan
 
 
 class GemmaRMSNorm(nn.Module):
@@ -51,8 +57,34 @@ class GemmaRMSNorm(nn.Module):
     def forward_add(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual). May overwrite both inputs."""
         residual = x + residual
         return self(residual), residual
+
+    def install_kernels(self, plan: KernelPlan) -> None:
+        """What the kernel plan (layers/kernel_plan.py) runs for this norm: one fused
+        Triton kernel where fused kernels run (bf16/fp16 on CUDA), this torch code elsewhere."""
+        if plan.fused and (kernels := _gemma_norm_kernels()) is not None:
+            norm, add_norm = kernels
+
+            def fused(x: torch.Tensor) -> torch.Tensor:
+                return norm(x, self.weight, self.eps)
+
+            def fused_add(x: torch.Tensor, residual: torch.Tensor):
+                return add_norm(x, residual, self.weight, self.eps)
+
+            self.forward, self.forward_add = fused, fused_add
+        else:
+            self.forward = MethodType(type(self).forward, self)
+            self.forward_add = MethodType(type(self).forward_add, self)
+
+
+def _gemma_norm_kernels():
+    try:  # triton may be missing
+        from minisgl.kernels.gemma_norm import gemma_fused_add_rmsnorm, gemma_rmsnorm
+    except ImportError:
+        return None
+    return gemma_rmsnorm, gemma_fused_add_rmsnorm
 
 
 class Gemma3MLP(LlamaMLP):

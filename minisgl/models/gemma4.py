@@ -53,16 +53,14 @@ class Gemma4RMSNorm(GemmaRMSNorm):
         pass
 
 
-class UnscaledRMSNorm(nn.Module):
-    """x / rms(x) in fp32, no weight: Gemma 4's value norm and its router's input."""
+class UnscaledRMSNorm(Gemma4RMSNorm):
+    """x / rms(x) in fp32, no weight: Gemma 4's value norm and its router's input. Its
+    weight is ones, not loaded: times 1.0 is exact, and the norm's kernel is Gemma's."""
 
-    def __init__(self, eps: float) -> None:
-        super().__init__()
+    def __init__(self, size: int, eps: float) -> None:
+        nn.Module.__init__(self)
+        self.register_buffer("weight", torch.ones(size), persistent=False)
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Gemma4AttentionLayer(nn.Module):
@@ -83,7 +81,7 @@ class Gemma4AttentionLayer(nn.Module):
         self.q_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
         if not shared:
             self.k_norm = Gemma4RMSNorm(self.head_dim, c.rms_norm_eps)
-            self.v_norm = UnscaledRMSNorm(c.rms_norm_eps)
+            self.v_norm = UnscaledRMSNorm(self.head_dim, c.rms_norm_eps)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None):
         """q [tokens, heads * head_dim]; k and v [tokens, kv_heads * head_dim], or None for
@@ -147,7 +145,7 @@ class Gemma4Router(nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoEConfig, eps: float) -> None:
         super().__init__()
-        self.norm = UnscaledRMSNorm(eps)
+        self.norm = UnscaledRMSNorm(hidden_size, eps)
         self.proj = Linear(hidden_size, moe.num_experts)
         self.scale = nn.Parameter(torch.empty(hidden_size))
         self.per_expert_scale = nn.Parameter(torch.empty(moe.num_experts))

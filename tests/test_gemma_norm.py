@@ -1,0 +1,96 @@
+"""Gemma's RMSNorm in one kernel (kernels/gemma_norm.py) equals the layers' torch code, and
+the kernel plan gives it to Gemma 3, Gemma 4 and Qwen3.5's norms where fused kernels run.
+
+Gemma's norm scales by a float32 weight before it rounds (Llama's rounds, then scales), so
+its bf16 and fp16 results differ from chapter 20's kernel's in the last place: these tests
+hold the kernel to Gemma's rounding (test_elementwise.py's tolerance: one unit in fp16,
+three in bf16 where the interpreter truncates its casts).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_elementwise import DEV, DTYPES, assert_ulps, ours_only
+
+from minisgl.kernels.gemma_norm import gemma_fused_add_rmsnorm, gemma_rmsnorm
+from minisgl.layers import activation
+from minisgl.models.gemma3 import GemmaRMSNorm
+from minisgl.models.gemma4 import Gemma4RMSNorm, UnscaledRMSNorm
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)
+
+
+def _gemma(n: int, seed: int) -> GemmaRMSNorm:
+    norm = GemmaRMSNorm(n, 1e-6).to(DEV)
+    norm.weight.data = _randn(n, dtype=torch.float32, seed=seed) * 0.5
+    norm.after_load()  # holds 1 + w, as a loaded checkpoint's
+    return norm
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 64), (5, 96), (3, 1000)])
+def test_norm_and_add_norm_equal_gemmas(rows: int, n: int, dtype: torch.dtype) -> None:
+    norm = _gemma(n, seed=n)
+    x, r = _randn(rows, n, dtype=dtype, seed=1), _randn(rows, n, dtype=dtype, seed=2)
+    assert_ulps(gemma_rmsnorm(x, norm.weight, norm.eps), norm(x))
+    want_y, want_r = GemmaRMSNorm.forward_add(norm, x.clone(), r.clone())
+    xs, rs = x.clone(), r.clone()
+    got_y, got_r = gemma_fused_add_rmsnorm(xs, rs, norm.weight, norm.eps)
+    assert got_y is xs and got_r is rs  # in place
+    assert_ulps(got_r, want_r)
+    assert_ulps(got_y, want_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_heads_read_where_they_lie_and_the_unscaled_norm(dtype: torch.dtype) -> None:
+    """Gemma 4's q/k norms over [tokens, heads, head_dim] views of a wider qkv, and its
+    value norm, whose weight is ones it never loads."""
+    qkv = _randn(4, 3 * 2 * 32, dtype=dtype, seed=3)
+    k = qkv[:, 64:128].view(4, 2, 32)
+    norm = _gemma(32, seed=4)
+    assert_ulps(gemma_rmsnorm(k, norm.weight, norm.eps), norm(k))
+    unscaled = UnscaledRMSNorm(32, 1e-6).to(DEV)
+    assert "weight" not in unscaled.state_dict()  # nothing to load
+    v = qkv[:, 128:].view(4, 2, 32)
+    x32 = v.float()
+    want = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert_ulps(unscaled(v), want)
+    assert_ulps(gemma_rmsnorm(v, unscaled.weight, unscaled.eps), want)
+
+
+def test_the_plan_installs_the_kernel_and_takes_it_back(monkeypatch) -> None:
+    from minisgl.kernels import gemma_norm
+
+    calls, real = [], gemma_norm.gemma_rmsnorm
+    monkeypatch.setattr(gemma_norm, "gemma_rmsnorm", lambda *a: calls.append(1) or real(*a))
+    norm = Gemma4RMSNorm(16, 1e-6).to(DEV)
+    norm.weight.data = _randn(16, dtype=torch.float32, seed=5)
+    x = _randn(2, 16, dtype=torch.float16, seed=6)
+    want = norm(x)
+    plan = ours_only(torch.float16)
+    plan.install(norm)
+    assert norm.forward.__name__ == "fused"
+    assert_ulps(norm(x), want)
+    assert calls == [1]
+    plan.fused = False  # a CPU's plan: the torch code again
+    plan.install(norm)
+    assert norm.forward.__func__ is Gemma4RMSNorm.forward
+    activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it
+
+
+def test_bad_input_is_refused_with_a_reason() -> None:
+    w = torch.ones(8, device=DEV)
+    with pytest.raises(ValueError, match="does not fit"):
+        gemma_rmsnorm(torch.ones(2, 9, device=DEV), w, 1e-6)
+    with pytest.raises(ValueError, match="one 2-D shape"):
+        gemma_fused_add_rmsnorm(torch.ones(2, 8, device=DEV), torch.ones(3, 8, device=DEV), w, 1e-6)
