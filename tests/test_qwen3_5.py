@@ -126,6 +126,7 @@ def test_logits_equal_transformers(folders, layout: str, caplog) -> None:
     assert engine.kv_cache._k.shape[0] == 1  # one attention layer of four keeps KV
     assert engine.state_pool.ssm.shape == (3, 5, 4, 16, 32)  # 3 linear layers, 4 rows + dummy
     assert "recurrent state pool" in caplog.text
+    assert engine.model.model.layers[0].linear_attn.in_proj_sizes == [192, 128, 4, 4]  # merged
     got = teacher_forced(engine, ids)
     want = hf_reference(folders[layout], ids)
     assert got.shape == want.shape

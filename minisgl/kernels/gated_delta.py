@@ -115,22 +115,26 @@ def _decode_kernel(
     mk = offs_k < DK
     offs_v = tl.arange(0, BLOCK_DV)
     mv = offs_v < DV
+    smask = mk[:, None] & mv[None, :]
+    states = SSM + slot * stride_ss + offs_k[:, None] * DV + offs_v[None, :]
+    # The state is the largest read by far (64 KB a head): asked for first, it is on its way
+    # while the conv, the norms and the gates, which do not need it, run.
+    S = tl.load(states + h * PER_KEY * stride_sh, mask=smask, other=0.0)
     q_chans, k_chans = h * DK + offs_k, KEY_DIM + h * DK + offs_k
     q, q_window = _conv_window(x, ConvW, conv, stride_cc, q_chans, mk, taps, WIDTH)
     k, k_window = _conv_window(x, ConvW, conv, stride_cc, k_chans, mk, taps, WIDTH)
     q = _l2normed(q) * scale
     k = _l2normed(k)
     norm_w = tl.load(NormW + offs_v, mask=mv, other=0.0).to(tl.float32)
-    smask = mk[:, None] & mv[None, :]
-    for i in range(PER_KEY):  # the value heads that share this q/k head
+    for i in tl.static_range(PER_KEY):  # the value heads that share this q/k head
         hv = h * PER_KEY + i
         v_chans = 2 * KEY_DIM + hv * DV + offs_v
         v, v_window = _conv_window(x, ConvW, conv, stride_cc, v_chans, mv, taps, WIDTH)
         g, beta = _gates(A, Bp, ALog, DtBias, row, hv, stride_a, stride_b)
-        s_ptrs = SSM + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + offs_v[None, :]
-        S = tl.load(s_ptrs, mask=smask, other=0.0)
         S, o = _delta_step(S, q, k, v, g, beta)
-        tl.store(s_ptrs, S, mask=smask)
+        tl.store(states + hv * stride_sh, S, mask=smask)
+        if i + 1 < PER_KEY:  # the next head's state, on its way while this one finishes
+            S = tl.load(states + (hv + 1) * stride_sh, mask=smask, other=0.0)
         # the gated RMSNorm: o normalised over the head, times its weight and SiLU(z)
         z = tl.load(Z + row * stride_z + hv * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
         o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * norm_w * _silu(z)

@@ -169,6 +169,14 @@ def padded_places(offsets: torch.Tensor, width: int, num_tokens: int) -> torch.T
     return req * width + t - offsets[req]
 
 
+def linear_of(weight: torch.Tensor) -> Linear:
+    """A projection holding `weight` [out, in], a rank's own rows: made after loading."""
+    with torch.device("meta"):
+        layer = Linear(weight.size(1), weight.size(0))
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    return layer
+
+
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden_size: int, shape: LinearAttention, eps: float, index: int) -> None:
         """`shape`: the whole layer's; the layer keeps this rank's share of its heads."""
@@ -192,12 +200,28 @@ class GatedDeltaNet(nn.Module):
         mark_split(heads, self.dt_bias)
         self.norm = GatedRMSNorm(s.value_head_dim, eps)  # per head: whole on every rank
         self.out_proj = Linear(value_dim, hidden_size, split=Split.even(1, value_dim))
+        self.in_proj_sizes: list[int] = []  # after_load merges the four in_proj_* into one
+
+    def after_load(self) -> None:
+        """One projection where the checkpoint has four: this rank's rows of in_proj_qkv, z,
+        b and a, stacked. A decode step then reads them in one matrix-vector product, where
+        four launches (two of 16-32 rows: all launch, no bandwidth) cost more than the
+        reading. Weights stored in FP8 stay apart, each with its scales."""
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if any(p.weight.dtype == torch.float8_e4m3fn or len(p.state_dict()) > 1 for p in parts):
+            return
+        self.in_proj_sizes = [p.weight.size(0) for p in parts]
+        self.in_proj = linear_of(torch.cat([p.weight.data for p in parts]))
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
         batch, pool = ctx.batch, ctx.state_pool
-        qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
-        b, a = self.in_proj_b(x), self.in_proj_a(x)
+        if self.in_proj_sizes:  # merged at load
+            qkv, z, b, a = self.in_proj(x).split(self.in_proj_sizes, dim=-1)
+        else:
+            qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
         if pool.kernels == "triton" and batch.phase != "verify":
             out = self._kernels(qkv, z, b, a, batch, pool)
         else:

@@ -20,10 +20,9 @@ turns a quarter of each head (no mrope), every MLP is MoE unless `mlp_only_layer
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from minisgl.distributed import Split
-from minisgl.layers.gated_deltanet import GatedDeltaNet
+from minisgl.layers.gated_deltanet import GatedDeltaNet, linear_of
 from minisgl.layers.linear import Linear
 from minisgl.models.families import LinearAttention
 from minisgl.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -54,17 +53,11 @@ class FusedProjGatedDeltaNet(GatedDeltaNet):
         b, a = self.in_proj_ba.weight.data.view(s.num_key_heads, 2 * r, hidden).split(r, dim=1)
         del self.in_proj_qkvz, self.in_proj_ba
         rows = [t.reshape(-1, hidden) for t in (q, k, v)]
-        self.in_proj_qkv = _linear(torch.cat(rows))
-        self.in_proj_z = _linear(z.reshape(-1, hidden))
-        self.in_proj_b = _linear(b.reshape(-1, hidden))
-        self.in_proj_a = _linear(a.reshape(-1, hidden))
-
-
-def _linear(weight: torch.Tensor) -> Linear:
-    with torch.device("meta"):
-        layer = Linear(weight.size(1), weight.size(0))
-    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
-    return layer
+        self.in_proj_qkv = linear_of(torch.cat(rows))
+        self.in_proj_z = linear_of(z.reshape(-1, hidden))
+        self.in_proj_b = linear_of(b.reshape(-1, hidden))
+        self.in_proj_a = linear_of(a.reshape(-1, hidden))
+        super().after_load()  # and then into one, as Qwen3.5's
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
