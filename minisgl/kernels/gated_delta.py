@@ -44,6 +44,7 @@ from minisgl.kernels.attention import _dot
 from minisgl.models.families import LinearAttention
 
 CHUNK = 16  # tokens the chunked kernel solves at once
+SEARCH = 16  # the conv finds a token's request among at most 2^16 - 1
 
 
 @triton.jit
@@ -184,20 +185,29 @@ def decode_step(
 # ---- prefill: lengths and slots from device tensors
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_tokens"])
 def _conv_varlen_kernel(
     X, W, ConvState, Slots, Offsets, Y,
     num_reqs, num_tokens, channels,
     stride_x, stride_y, stride_cs, stride_cc,
-    WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, SEARCH: tl.constexpr,
 ):  # fmt: skip
+    # One build serves every batch: neither the number of requests nor of tokens is baked in
+    # (a build for each, in a serving run, cost more than the conv itself).
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mc = c < channels
-    # Each token's request: how many requests end at or before it.
-    r = tl.arange(0, BLOCK_R)
-    ends = tl.load(Offsets + 1 + r, mask=r < num_reqs, other=num_tokens)
-    req = tl.sum((ends[None, :] <= t[:, None]).to(tl.int32), axis=1)
+    # Each token's request: how many requests end at or before it, by a binary search of
+    # the offsets (`SEARCH` halvings cover 2^SEARCH - 1 requests).
+    lo = tl.zeros([BLOCK_T], dtype=tl.int32)
+    hi = lo + num_reqs
+    for _ in tl.static_range(SEARCH):
+        mid = (lo + hi) // 2
+        searching = lo < hi
+        end = tl.load(Offsets + 1 + mid, mask=searching, other=0)
+        lo = tl.where(searching & (end <= t), mid + 1, lo)
+        hi = tl.where(searching & (end > t), mid, hi)
+    req = lo
     live = (t < num_tokens) & (req < num_reqs)  # past the last request: no one's token
     start = tl.load(Offsets + req, mask=live, other=0)
     slot = tl.load(Slots + req, mask=live, other=0).to(tl.int64)
@@ -248,6 +258,8 @@ def conv_varlen(
     conv_dim] in qkv's dtype; each slot then holds its request's last K - 1 inputs."""
     tokens, channels = qkv.shape
     width, reqs = conv_weight.size(-1), slots.size(0)
+    if reqs >= 2**SEARCH:
+        raise ValueError(f"{reqs} requests in one conv; it takes at most {2**SEARCH - 1}")
     assert qkv.stride(1) == 1 and conv_weight.is_contiguous() and conv_state.stride(2) == 1
     out = torch.empty_like(qkv)
     block_t, block_c = 16, 128
@@ -255,8 +267,7 @@ def conv_varlen(
         _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
             qkv, conv_weight, conv_state, slots, offsets, out, reqs, tokens, channels,
             qkv.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
-            WIDTH=width, BLOCK_T=block_t, BLOCK_C=block_c,
-            BLOCK_R=triton.next_power_of_2(max(reqs, 2)),
+            WIDTH=width, BLOCK_T=block_t, BLOCK_C=block_c, SEARCH=SEARCH,
         )  # fmt: skip
     _conv_state_kernel[(reqs, triton.cdiv(channels, block_c))](
         qkv, conv_state, slots, offsets, channels,
