@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from minisgl.core import Context, set_global_ctx
 from minisgl.env import ENV
+from minisgl.kernels import gated_delta
 from minisgl.kvcache.state_pool import RecurrentStatePool, gated_delta_kernels
 from minisgl.layers.gated_deltanet import (
     GatedDeltaNet,
@@ -187,8 +188,11 @@ def assert_same_states(want: RecurrentStatePool, got: RecurrentStatePool, slots:
 
 
 @triton_only
-def test_decode_kernel_equals_the_torch_path() -> None:
-    """Three requests and a padding row in the dummy slot."""
+@pytest.mark.parametrize("early", [128, 0])
+def test_decode_kernel_equals_the_torch_path(early: int, monkeypatch) -> None:
+    """Three requests and a padding row in the dummy slot; each state asked for first (few
+    programs) or in its turn (many)."""
+    monkeypatch.setattr(gated_delta, "EARLY_PROGRAMS", early)
     slots = [3, 0, 4, DUMMY]
     (want, want_pool), (got, got_pool) = both_paths([1] * 4, slots)
     assert got.shape == want.shape

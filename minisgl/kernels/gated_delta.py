@@ -45,6 +45,10 @@ from minisgl.models.families import LinearAttention
 
 CHUNK = 16  # tokens the chunked kernel solves at once
 SEARCH = 16  # the conv finds a token's request among at most 2^16 - 1
+# A decode step of this many (request, key head) programs or fewer asks for each state
+# first: the machine is mostly idle, and a program's loads are its time. With more, a state
+# held from the start only crowds the registers of programs that wait their turn anyway.
+EARLY_PROGRAMS = 128
 
 
 @triton.jit
@@ -106,6 +110,7 @@ def _decode_kernel(
     stride_cs, stride_cc, stride_ss, stride_sh,
     KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
     WIDTH: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_W: tl.constexpr,
+    EARLY: tl.constexpr,
 ):  # fmt: skip
     row, h = tl.program_id(0), tl.program_id(1)
     slot = tl.load(Slots + row).to(tl.int64)
@@ -118,9 +123,9 @@ def _decode_kernel(
     mv = offs_v < DV
     smask = mk[:, None] & mv[None, :]
     states = SSM + slot * stride_ss + offs_k[:, None] * DV + offs_v[None, :]
-    # The state is the largest read by far (64 KB a head): asked for first, it is on its way
-    # while the conv, the norms and the gates, which do not need it, run.
-    S = tl.load(states + h * PER_KEY * stride_sh, mask=smask, other=0.0)
+    if EARLY:  # few programs, each waiting on its loads: the state (64 KB a head, the largest
+        # read by far) is asked for first, on its way while the conv, norms and gates run
+        S = tl.load(states + h * PER_KEY * stride_sh, mask=smask, other=0.0)
     q_chans, k_chans = h * DK + offs_k, KEY_DIM + h * DK + offs_k
     q, q_window = _conv_window(x, ConvW, conv, stride_cc, q_chans, mk, taps, WIDTH)
     k, k_window = _conv_window(x, ConvW, conv, stride_cc, k_chans, mk, taps, WIDTH)
@@ -129,13 +134,13 @@ def _decode_kernel(
     norm_w = tl.load(NormW + offs_v, mask=mv, other=0.0).to(tl.float32)
     for i in tl.static_range(PER_KEY):  # the value heads that share this q/k head
         hv = h * PER_KEY + i
+        if i > 0 or not EARLY:
+            S = tl.load(states + hv * stride_sh, mask=smask, other=0.0)
         v_chans = 2 * KEY_DIM + hv * DV + offs_v
         v, v_window = _conv_window(x, ConvW, conv, stride_cc, v_chans, mv, taps, WIDTH)
         g, beta = _gates(A, Bp, ALog, DtBias, row, hv, stride_a, stride_b)
         S, o = _delta_step(S, q, k, v, g, beta)
         tl.store(states + hv * stride_sh, S, mask=smask)
-        if i + 1 < PER_KEY:  # the next head's state, on its way while this one finishes
-            S = tl.load(states + (hv + 1) * stride_sh, mask=smask, other=0.0)
         # the gated RMSNorm: o normalised over the head, times its weight and SiLU(z)
         z = tl.load(Z + row * stride_z + hv * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
         o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * norm_w * _silu(z)
@@ -177,6 +182,7 @@ def decode_step(
         KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
         PER_KEY=s.num_value_heads // s.num_key_heads, WIDTH=s.conv_kernel,
         BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_W=triton.next_power_of_2(s.conv_kernel),
+        EARLY=reqs * s.num_key_heads <= EARLY_PROGRAMS,
         num_warps=8 if block_dk * block_dv >= 128 * 64 else 4,
     )  # fmt: skip
     return out

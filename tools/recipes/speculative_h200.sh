@@ -33,7 +33,12 @@ BATCHES=${BATCHES:-1,2,4,8}
 PAIRS=${PAIRS:-3}
 COST_ARGS=${COST_ARGS:-}
 SPEC_ARGS=${SPEC_ARGS:-}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# The GPU machine lacks pyzmq and setproctitle (minisgl.llm imports them): carry their wheels
+# in .whl, as tools/recipes/new_models_h200.sh does.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 mkdir -p "$OUT"
 log() { tee -a "$OUT/run.log"; }
 git log -1 --format='commit: %h %s' 2>/dev/null | log
