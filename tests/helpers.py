@@ -117,6 +117,10 @@ class Driver:
         self.engine = engine
         self.pages = PageAllocator(engine.num_pages)
         self.owned: dict[int, list[int]] = {}
+        # >>> ch29 a pool with windowed pages: one for each page, up front too
+        self.window_pages = PageAllocator(getattr(engine.kv_cache, "num_window_pages", 0))
+        self.window_owned: dict[int, list[int]] = {}
+        # <<< ch29
 
     def add(self, ids: list[int], params: SamplingParams, row: int) -> Req:
         e = self.engine
@@ -126,10 +130,18 @@ class Driver:
         slots = page_slots(pages, e.page_size)
         e.page_table[row, : len(slots)] = slots
         e.token_pool[row, : len(ids)] = req.input_ids
+        # >>> ch29
+        if self.window_pages.num_pages:
+            window = self.window_owned[row] = self.window_pages.alloc(len(pages))
+            e.kv_cache.window_map[pages] = torch.tensor(window, dtype=torch.int32)
+            e.kv_cache.window_table[row, : len(slots)] = page_slots(window, e.page_size)
+        # <<< ch29
         return req
 
     def release(self, req: Req) -> None:
         self.pages.free(self.owned.pop(req.table_idx))
+        if self.window_pages.num_pages:  # [ch29]
+            self.window_pages.free(self.window_owned.pop(req.table_idx))  # [ch29]
 
     def step(self, reqs: list[Req], phase: str) -> list[int]:
         batch = Batch(reqs, phase)  # type: ignore[arg-type]

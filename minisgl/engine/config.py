@@ -43,6 +43,7 @@ class EngineConfig(
     page_size: int = 1
     attention_backend: str = "auto"
     max_prefill_length: int = 8192  # the most new tokens of one forward: longer prompts are chunked
+    window_pages: int | None = None  # sliding layers' own pages; None: sized at start-up  # [ch29]
 
     def __post_init__(self) -> None:
         if isinstance(self.dtype, str) and self.dtype not in DTYPES:

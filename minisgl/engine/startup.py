@@ -110,6 +110,7 @@ def pages_from_budget(shape: EngineShape) -> int:
         budget = int(free * ENV.MEMORY_FRACTION.value)
     else:
         budget = ENV.CPU_KV_CACHE_MB.value * 2**20
+    budget = layout.budget_after_windows(shape, budget, per_page)  # sliding layers'  # [ch29]
     budget = layout.budget_after_states(shape, budget, per_page)  # a hybrid's come first  # [ch31]
     useful = config.max_running_req * cdiv(shape.max_seq_len, shape.page_size)
     pages = min(budget // per_page, useful)

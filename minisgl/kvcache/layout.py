@@ -88,12 +88,14 @@ class KVLayout:
                       kv_shape(config, i)[1]) for i in attention_layers(config)}  # fmt: skip
         window = {i: config.sliding_window if sliding(config, i) else None for i in storing}
         window = {i: w if w and w < max_seq_len else None for i, w in window.items()}
-        members: dict[tuple[int, int], list[int]] = {}
+        # A group is the layers of one geometry and one window: a window of its own lets a
+        # group keep only its last pages (window_pages.py), as Gemma 3's sliding layers do
+        # beside its global ones of the same shape.
+        members: dict[tuple[int, int, int | None], list[int]] = {}
         for i in storing:
-            members.setdefault(shapes[i], []).append(i)
+            members.setdefault((*shapes[i], window[i]), []).append(i)
         groups = tuple(
-            KVGroup(*shape, tuple(layers), _one_window([window[i] for i in layers]))
-            for shape, layers in members.items()
+            KVGroup(heads, dim, tuple(layers), w) for (heads, dim, w), layers in members.items()
         )
         index = {i: (g, k) for g, group in enumerate(groups) for k, i in enumerate(group.layers)}
         return cls(
@@ -112,17 +114,40 @@ class KVLayout:
     def bytes_per_token(self, dtype: torch.dtype) -> int:
         return sum(g.bytes_per_token(dtype) for g in self.groups)
 
+    @property
+    def window(self) -> int | None:
+        """The longest window of the sliding groups (None: no group slides): the pages a
+        sliding layer may still read lie within it."""
+        return max((g.window for g in self.groups if g.window), default=None)
+
+    def split_bytes_per_token(self, dtype: torch.dtype) -> tuple[int, int]:
+        """(the groups that keep every position, the sliding groups): a token's bytes in each."""
+        full = sum(g.bytes_per_token(dtype) for g in self.groups if not g.window)
+        return full, self.bytes_per_token(dtype) - full
+
     def every_layer_bytes_per_token(self, dtype: torch.dtype) -> int:
         """What a token would cost if every attention layer kept its own keys and values."""
         return sum(2 * heads * dim * dtype.itemsize for heads, dim in self.every_layer)
 
     def new_pool(
-        self, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        window_pages: int | None = None,
     ) -> MHAKVCache:
-        """Chapter 3's pool for one group; one storage per group for several. Either knows
+        """Chapter 3's pool for one group; one storage per group for several; with
+        `window_pages`, the sliding groups in pages of their own (window_pages.py). Each knows
         the model layer each of its layers stores (an FP8 cache's scales are by model layer)."""
-        if len(self.groups) > 1:
-            pool: MHAKVCache = GroupedKVCache(self, num_pages, page_size, dtype, device)
+        if window_pages is not None and self.window is not None:
+            from minisgl.kvcache.window_pages import WindowedKVCache
+
+            pool: MHAKVCache = WindowedKVCache(
+                self, num_pages, page_size, dtype, device, window_pages
+            )
+        elif len(self.groups) > 1:
+            pool = GroupedKVCache(self, num_pages, page_size, dtype, device)
         else:
             g = self.groups[0]
             pool = MHAKVCache(
@@ -155,15 +180,11 @@ class KVLayout:
         )
 
 
-def _one_window(windows: list[int | None]) -> int | None:
-    """A group's window: the one all its layers slide by, else None."""
-    return windows[0] if windows[0] is not None and len(set(windows)) == 1 else None
-
-
 class GroupedKVCache(MHAKVCache):
     """MHAKVCache's pool with one storage per layer group, [group layers, pages + 1,
     page_size, its KV heads, its head_dim], every group indexed by the same page ids (and
-    one dummy page, the last). Pool layer l lives at `place[l]`: (group, index there).
+    one dummy page, the last), or, with `window_pages`, the sliding groups by page ids of
+    their own (window_pages.py). Pool layer l lives at `place[l]`: (group, index there).
     Storing and the FP8 scales are MHAKVCache's, through the views below."""
 
     def __init__(
@@ -173,6 +194,7 @@ class GroupedKVCache(MHAKVCache):
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        window_pages: int | None = None,
     ) -> None:  # not MHAKVCache's: its one tensor is what this replaces
         if num_pages < 1 or page_size < 1:
             raise ValueError(
@@ -180,8 +202,9 @@ class GroupedKVCache(MHAKVCache):
             )
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         self.place = layout.place
-        shapes = [(len(g.layers), num_pages + 1, page_size, g.kv_heads, g.head_dim)
-                  for g in layout.groups]  # fmt: skip
+        pages = [window_pages if g.window and window_pages else num_pages for g in layout.groups]
+        shapes = [(len(g.layers), n + 1, page_size, g.kv_heads, g.head_dim)
+                  for g, n in zip(layout.groups, pages)]  # fmt: skip
         # zeros, not empty: attention may read (and mask) stale slots, which must not be NaN
         self.group_k = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
         self.group_v = [torch.zeros(s, dtype=dtype, device=device) for s in shapes]
@@ -218,15 +241,35 @@ def layout_of(shape: EngineShape) -> KVLayout:
 
 
 def bytes_per_page(shape: EngineShape) -> int:
-    """A page's bytes: page_size tokens of every group (KV-shared layers add nothing)."""
-    return shape.page_size * layout_of(shape).bytes_per_token(shape.kv_dtype)
+    """A page's bytes: page_size tokens of every group (KV-shared layers add nothing); with a
+    sliding group, of the groups that keep every position (the windowed pages are apart:
+    `budget_after_windows`), at least one byte (a page id of a model whose layers all slide)."""
+    layout = layout_of(shape)
+    if layout.window is not None:
+        return max(1, shape.page_size * layout.split_bytes_per_token(shape.kv_dtype)[0])
+    return shape.page_size * layout.bytes_per_token(shape.kv_dtype)
+
+
+def budget_after_windows(shape: EngineShape, budget: int, per_page: int) -> int:
+    """The full pages' budget once a sliding group's windowed pages have theirs."""
+    from minisgl.kvcache.window_pages import budget_after_windows
+
+    return budget_after_windows(shape, layout_of(shape), budget, per_page)
 
 
 def new_pool(shape: EngineShape, num_pages: int) -> MHAKVCache:
-    """The engine's KV pool, its memory per token by group logged."""
+    """The engine's KV pool, its memory per token by group logged (and, with a sliding
+    group, the full and windowed pages)."""
     layout = layout_of(shape)
     logger.info(layout.describe(shape.kv_dtype))
-    return layout.new_pool(num_pages, shape.page_size, shape.kv_dtype, shape.device)
+    window_pages = None
+    if layout.window is not None:
+        from minisgl.kvcache.window_pages import describe_split, window_pages_for
+
+        window_pages = window_pages_for(shape, layout, num_pages)
+        logger.info(describe_split(layout, num_pages, window_pages, shape.page_size,
+                                   shape.kv_dtype))  # fmt: skip
+    return layout.new_pool(num_pages, shape.page_size, shape.kv_dtype, shape.device, window_pages)
 
 
 def windows(shape: EngineShape) -> list[int | None]:
@@ -238,13 +281,26 @@ def backend_for(shape: EngineShape, cls: type[BaseAttnBackend]) -> type[BaseAttn
     """`cls`, if it can read the pool; else, for `--attn auto`, the first backend that can
     (our Triton kernels on a GPU, torch elsewhere), and for a backend asked for by name a
     ValueError that says why not."""
-    groups = layout_of(shape).groups
-    if len({(g.kv_heads, g.head_dim) for g in groups}) <= 1 or cls.name in READS_GROUPS:
+    layout = layout_of(shape)
+    chosen = _reads_pool(shape, layout, cls)
+    if layout.window is not None:  # the sliding layers read a page table of their own
+        from minisgl.kvcache.window_pages import windowed_backend
+
+        return windowed_backend(chosen)
+    return chosen
+
+
+def _reads_pool(shape: EngineShape, layout: KVLayout, cls: type[BaseAttnBackend]) -> type:
+    groups, windowed = layout.groups, layout.window is not None
+    one_shape = len({(g.kv_heads, g.head_dim) for g in groups}) <= 1
+    if (one_shape and not windowed) or cls.name in READS_GROUPS:
         return cls
     from minisgl.attention.registry import BACKENDS, select_backend
 
     dims = " and ".join(f"{g.kv_heads} x {g.head_dim}" for g in groups)
     why = f"it takes one KV geometry, and {shape.model_config.architecture}'s layers have {dims}"
+    if windowed:
+        why = "it reads one page table, and the sliding layers keep pages of their own"
     if shape.config.attention_backend != "auto":
         raise ValueError(f"attention backend {cls.name!r} cannot run here: {why}")
     for name in READS_GROUPS:

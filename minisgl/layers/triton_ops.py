@@ -28,6 +28,7 @@ import torch
 
 from minisgl.core import get_global_ctx
 from minisgl.env import ENV
+from minisgl.kvcache.window_pages import store_slots  # [ch29]
 
 if TYPE_CHECKING:
     from minisgl.layers.attention import AttentionLayer
@@ -96,7 +97,7 @@ def attention_from_qkv(rope_store: Callable, decode: Callable | None) -> Callabl
             self.q_norm.eps if norms else 0.0,
             kv.k_cache(self.layer_id),
             kv.v_cache(self.layer_id),
-            ctx.batch.out_loc,
+            store_slots(kv, ctx.batch.out_loc, self.layer_id),  # a sliding layer's own  # [ch29]
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,

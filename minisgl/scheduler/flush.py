@@ -36,7 +36,7 @@ class CacheFlusher:
             return
         cache = self.scheduler.cache
         slots = cache.cache.evict(cache.cache.evictable_tokens)
-        cache.allocator.free((slots[:: cache.page_size] // cache.page_size).tolist())
+        cache._free_slots(slots)  # and what a page frees with it (a sliding group's page)
         if self.kv_events is not None:
             self.kv_events.cleared()
         self.done += 1

@@ -37,6 +37,7 @@ from minisgl.scheduler.hybrid_cache import hybrid_cache  # [ch31]
 from minisgl.scheduler.logprobs import LogprobCollector  # [ch25]
 from minisgl.scheduler.prefill import PendingReq, PrefillManager
 from minisgl.scheduler.table import TableManager
+from minisgl.scheduler.window_cache import window_cache  # [ch29]
 from minisgl.speculative.step import Speculator  # [ch26]
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Scheduler:
         cache_type = config.cache_type
         self.cache = CacheManager(limits.num_pages, limits.page_size, engine.page_table, cache_type)
         self.cache = hybrid_cache(self.cache, engine.state_pool)  # with state snapshots  # [ch31]
+        self.cache = window_cache(self.cache, engine.kv_cache)  # sliding layers' pages  # [ch29]
         self.prefill = PrefillManager(self.cache, self.table, config.max_prefill_length)
         self.decode = DecodeManager()
         self.reqs: dict[int, Req] = {}  # admitted and not finished, by uid

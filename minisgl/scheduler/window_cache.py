@@ -1,0 +1,280 @@
+"""The cache manager of a model with sliding layers: their windowed pages, taken and freed.
+
+With a sliding group, a full page may have a windowed page (kvcache/window_pages.py): its
+sliding layers' keys. Who needs it:
+- a running request, for the pages over its window: from the first key its next query reads,
+  cached_len - window + 1, to its last page. It takes them as it gets pages (or as a cached
+  prefix is attached), and gives back those that fall wholly before that key as it advances;
+  its full pages stay. The windowed pages of a chunked prompt's earlier chunks go back the
+  same way: the next chunk's first query reads no further back than its window.
+- the prefix cache, for the last window of every sequence a request left it (finished,
+  aborted or preempted): the next turn of a conversation extends the whole previous
+  sequence, and must find the keys of its window there. A sequence that extends a cached one
+  drops the cache's hold on the older sequence's window (the newest end serves the next turn).
+A page's windowed part is counted by its holders; the last to let go frees it. Full pages
+freed (a finished request's own pages, duplicates of cached ones, eviction, a flush) free
+their windowed parts whatever holds them: nothing running holds a page the cache may evict.
+
+A match of the prefix cache ending at m is usable only if the windowed pages over
+[m - window + 1, m) are there (the first computed query, at m, reads them): a match is cut
+back to the deepest page boundary where they are. Two requests that computed the same prompt
+at once: the cache keeps the first's pages, and the second's windowed pages move to them where
+they have none (the keys are the same).
+
+Admission counts full pages as before: the windowed pool is sized to hold what the running
+requests can hold (window_pages.py). Where it runs short, the prefix cache is evicted (which
+frees both kinds); a request needing more than that leaves is a MemoryError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.core import Req
+from minisgl.kvcache.allocator import PageAllocator
+from minisgl.kvcache.base import MatchResult
+from minisgl.kvcache.window_pages import WindowedKVCache
+from minisgl.scheduler.cache import CacheManager
+from minisgl.utils import to_device
+
+
+class WindowCacheManager(CacheManager):
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        page_table: torch.Tensor,
+        cache_type: str,
+        pool: WindowedKVCache,
+    ) -> None:
+        super().__init__(num_pages, page_size, page_table, cache_type)
+        assert pool.window_table is not None, "the attention backend sets the windowed table"
+        self.pool, self.window = pool, pool.window
+        self.window_table = pool.window_table
+        self.window_pages = PageAllocator(pool.num_window_pages)
+        self.none = pool.num_window_pages  # the windowed dummy page: no windowed page
+        self.wmap = torch.full((num_pages + 1,), self.none, dtype=torch.int32)  # host copy
+        self.refs = [0] * num_pages  # holders of each full page's windowed page
+        self.tails = [0] * num_pages  # of which the prefix cache's (a sequence's last window)
+        self.tailed: set[int] = set()
+        self.hold_from: dict[int, int] = {}  # row -> the first position its request holds
+        self._changed: dict[int, int] = {}  # full page -> windowed page, for the device
+        self._places: list[int] = []  # window-table entries to write (flat row * width + col)
+        self._slots: list[int] = []
+        self._orphans: dict[int, int] = {}  # freed full pages' windowed pages, not yet freed
+        self._deferring = False
+
+    @property
+    def window_free(self) -> int:
+        return self.window_pages.num_free
+
+    # ---- the cache manager's operations, for both kinds of pages
+
+    def match(self, input_ids: torch.Tensor) -> MatchResult:
+        """The cached prefix, cut back to where the windowed pages its next query reads are."""
+        full = super().match(input_ids)
+        ps, m = self.page_size, full.length
+        if m == 0:
+            return full
+        pages = (full.slots[::ps] // ps).long()
+        missing = (self.wmap[pages] == self.none).to(torch.int32)
+        count = torch.cat([torch.zeros(1, dtype=torch.int32), missing.cumsum(0)])
+        ends = torch.arange(len(pages) + 1)  # a match of `end` pages...
+        first = (ends * ps - self.window + 1).clamp(min=0) // ps  # reads pages first..end-1
+        usable = (count[ends] - count[first] == 0).nonzero().max().item()
+        if usable == len(pages):
+            return full
+        match = self.cache.match_prefix(input_ids[: usable * ps])
+        assert match.length == usable * ps
+        return match
+
+    def attach(self, req: Req, match: MatchResult) -> None:
+        super().attach(req, match)
+        start = self._first_read(match.length)
+        self.hold_from[req.table_idx] = start
+        self._hold(req.table_idx, start, match.length)
+        self._drop_tails(req.table_idx, start)
+        self._commit()
+
+    def allocate(self, reqs: list[Req]) -> None:
+        """Give back the windowed pages the requests have left behind, then take the new
+        pages' windowed parts (evicting the prefix cache if they run short)."""
+        for req in reqs:
+            self._advance(req)
+        self._commit()
+        before = [req.alloc_len for req in reqs]
+        super().allocate(reqs)
+        self._commit()  # what eviction freed
+        new = sum(req.alloc_len - b for req, b in zip(reqs, before)) // self.page_size
+        self._room(new)
+        for req, b in zip(reqs, before):
+            self._hold(req.table_idx, b, req.alloc_len)
+        self._commit()
+
+    def cache_req(self, req: Req, finished: bool) -> None:
+        """Also: where the row now reads the cache's copy of a page it computed, the hold moves
+        to the copy (with the windowed page, if the copy has none); a request that leaves
+        hands its holds on its cached last window to the cache."""
+        row, ps = req.table_idx, self.page_size
+        start, end = self.hold_from[row], req.alloc_len
+        old = self._pages(row, start, end)
+        cached = min(req.seq_len, req.cached_len) // ps * ps
+        self._deferring = True
+        try:
+            super().cache_req(req, finished)
+        finally:
+            self._deferring = False
+        new = self._pages(row, start, end)
+        for i, (o, c) in enumerate(zip(old, new)):
+            if o == c:
+                continue
+            if int(self.wmap[c]) == self.none and o in self._orphans:
+                self._map(c, self._orphans.pop(o))  # the same keys: the copy takes the page
+            self._hold(row, start + i * ps, start + (i + 1) * ps, [c])
+        if finished:
+            for i, page in enumerate(new):
+                # in the cache (still mapped: not freed with the request): its window stays
+                if start + (i + 1) * ps <= cached and int(self.wmap[page]) != self.none:
+                    self.tails[page] += 1
+                    self.tailed.add(page)
+            self._drop_tails(row, start)
+            del self.hold_from[row]
+        self._commit()
+
+    # >>> ch26
+    def trim(self, req: Req, upto: int) -> None:
+        super().trim(req, upto)
+        self._commit()
+
+    # <<< ch26
+    def _free_slots(self, slots: torch.Tensor) -> None:
+        """Full pages freed: their windowed pages too, whatever held them."""
+        for page in (slots[:: self.page_size] // self.page_size).tolist():
+            w = int(self.wmap[page])
+            if w != self.none:
+                self._map(page, self.none)
+                self._orphans[page] = w
+                self.refs[page] = self.tails[page] = 0
+                self.tailed.discard(page)
+        if not self._deferring:
+            self._commit()
+        super()._free_slots(slots)
+
+    # ---- holding and releasing
+
+    def _first_read(self, position: int) -> int:
+        """The page boundary at or before the first key a query at `position` reads."""
+        return max(0, position - self.window + 1) // self.page_size * self.page_size
+
+    def _pages(self, row: int, start: int, end: int) -> list[int]:
+        return (self.host_table[row, start : end : self.page_size] // self.page_size).tolist()
+
+    def _hold(self, row: int, start: int, end: int, pages: list[int] | None = None) -> None:
+        """The request of `row` holds the windowed parts of its pages over [start, end),
+        each taken from the free list where it has none; its table entries written."""
+        ps, width = self.page_size, self.window_table.size(1)
+        pages = self._pages(row, start, end) if pages is None else pages
+        for i, page in enumerate(pages):
+            self.refs[page] += 1
+            if int(self.wmap[page]) == self.none:
+                self._map(page, self.window_pages.alloc(1)[0])
+            place = row * width + start + i * ps
+            self._places += range(place, place + ps)
+            first = int(self.wmap[page]) * ps
+            self._slots += range(first, first + ps)
+
+    def _release(self, page: int, tail: bool = False) -> None:
+        self.refs[page] -= 1
+        assert self.refs[page] >= 0, f"full page {page}'s windowed page released too often"
+        if tail:
+            self.tails[page] -= 1
+            if self.tails[page] == 0:
+                self.tailed.discard(page)
+        if self.refs[page] == 0:
+            self.window_pages.free([int(self.wmap[page])])
+            self._map(page, self.none)
+
+    def _advance(self, req: Req) -> None:
+        """Give back the pages wholly before the first key the request's next query reads."""
+        row = req.table_idx
+        start, upto = self.hold_from[row], self._first_read(req.cached_len)
+        if upto > start:
+            for page in self._pages(row, start, upto):
+                self._release(page)
+            self.hold_from[row] = upto
+
+    def _drop_tails(self, row: int, end: int) -> None:
+        """The cache's holds on older windows along the row's pages before `end`: a sequence
+        that extends them serves the next turn in their stead."""
+        if not self.tailed or end == 0:
+            return
+        for page in set(self._pages(row, 0, end)) & self.tailed:
+            while self.tails[page]:
+                self._release(page, tail=True)
+
+    def _room(self, n: int) -> None:
+        """At least n free windowed pages, evicting the prefix cache if need be."""
+        while self.window_pages.num_free < n and self.cache.evictable_tokens:
+            short = n - self.window_pages.num_free
+            self._free_slots(self.cache.evict(short * self.page_size))
+        if self.window_pages.num_free < n:
+            raise MemoryError(
+                f"needed {n} windowed KV pages, only {self.window_pages.num_free} free of "
+                f"{self.pool.num_window_pages}: raise window_pages or lower max_running_req"
+            )
+
+    def _map(self, page: int, window_page: int) -> None:
+        self.wmap[page] = window_page
+        self._changed[page] = window_page
+
+    def _commit(self) -> None:
+        """Free the orphaned windowed pages; send the map's and the table's changes."""
+        if self._orphans:
+            self.window_pages.free(list(self._orphans.values()))
+            self._orphans.clear()
+        device = self.window_table.device
+        if self._changed:
+            where = to_device(list(self._changed) + list(self._changed.values()), device,
+                              torch.int64).view(2, -1)  # fmt: skip
+            self.pool.window_map[where[0]] = where[1].to(torch.int32)
+            self._changed.clear()
+        if self._places:
+            where = to_device(self._places + self._slots, device, torch.int64).view(2, -1)
+            self.window_table.view(-1)[where[0]] = where[1].to(torch.int32)
+            self._places, self._slots = [], []
+
+    def check_integrity(self, running: list[Req]) -> None:
+        """Also: every windowed page free or the part of one full page, each held as counted
+        (by the running requests over their windows and by the cache's tails)."""
+        super().check_integrity(running)
+        mapped = [w for w in self.wmap[:-1].tolist() if w != self.none]
+        every = self.window_pages.free_pages() + mapped
+        assert len(every) == len(set(every)) == self.pool.num_window_pages, (
+            f"windowed pages leaked or shared: {self.window_pages.num_free} free + "
+            f"{len(mapped)} mapped, {len(set(every))} distinct, pool has "
+            f"{self.pool.num_window_pages}"
+        )
+        held = list(self.tails)
+        for req in running:
+            for page in self._pages(req.table_idx, self.hold_from[req.table_idx], req.alloc_len):
+                held[page] += 1
+        assert held == self.refs, "windowed pages' holders miscounted"
+        has = (self.wmap[:-1] != self.none).tolist()
+        assert has == [r > 0 for r in self.refs], "a windowed page with no holder, or none held"
+        assert torch.equal(self.pool.window_map.cpu(), self.wmap), "the device's map differs"
+
+
+def window_cache(manager: CacheManager, kv_cache: object) -> CacheManager:
+    """The cache manager a model runs with: for a pool with windowed pages, one that takes
+    and frees them."""
+    if not isinstance(kv_cache, WindowedKVCache):
+        return manager
+    cache_type = "radix" if type(manager.cache).__name__ == "RadixCache" else "naive"
+    if type(manager) is not CacheManager:
+        raise ValueError(
+            f"{type(manager).__name__} cannot keep a sliding group's pages: a model with both "
+            "recurrent states and sliding windows is not supported"
+        )
+    return WindowCacheManager(
+        manager.num_pages, manager.page_size, manager.page_table, cache_type, kv_cache
+    )
