@@ -299,7 +299,7 @@ def _reads_pool(shape: EngineShape, layout: KVLayout, cls: type[BaseAttnBackend]
 
     dims = " and ".join(f"{g.kv_heads} x {g.head_dim}" for g in groups)
     why = f"it takes one KV geometry, and {shape.model_config.architecture}'s layers have {dims}"
-    if windowed:
+    if one_shape:
         why = "it reads one page table, and the sliding layers keep pages of their own"
     if shape.config.attention_backend != "auto":
         raise ValueError(f"attention backend {cls.name!r} cannot run here: {why}")

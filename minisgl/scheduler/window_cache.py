@@ -7,13 +7,15 @@ sliding layers' keys. Who needs it:
   prefix is attached), and gives back those that fall wholly before that key as it advances;
   its full pages stay. The windowed pages of a chunked prompt's earlier chunks go back the
   same way: the next chunk's first query reads no further back than its window.
-- the prefix cache, for the last window of every sequence a request left it (finished,
-  aborted or preempted): the next turn of a conversation extends the whole previous
-  sequence, and must find the keys of its window there. A sequence that extends a cached one
-  drops the cache's hold on the older sequence's window (the newest end serves the next turn).
-A page's windowed part is counted by its holders; the last to let go frees it. Full pages
-freed (a finished request's own pages, duplicates of cached ones, eviction, a flush) free
-their windowed parts whatever holds them: nothing running holds a page the cache may evict.
+- the prefix cache, for matches that end within a window of the page: the same prompt
+  again, a shared system prompt, and above all the next turn of a conversation, which
+  extends the whole previous sequence and must find the keys of its last window.
+A page's windowed part is counted by its running holders. When the last lets go, a page the
+prefix cache holds keeps it, *idle*: the idle parts are freed least recently released first
+when windowed pages run short (so a finished sequence's last window, released last, goes
+last), before the prefix cache itself is evicted. A page no cache holds frees it at once.
+Full pages freed (a finished request's own pages, duplicates of cached ones, eviction, a
+flush) free their windowed parts: no running request holds a page the cache may evict.
 
 A match of the prefix cache ending at m is usable only if the windowed pages over
 [m - window + 1, m) are there (the first computed query, at m, reads them): a match is cut
@@ -27,6 +29,8 @@ frees both kinds); a request needing more than that leaves is a MemoryError.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -54,9 +58,8 @@ class WindowCacheManager(CacheManager):
         self.window_pages = PageAllocator(pool.num_window_pages)
         self.none = pool.num_window_pages  # the windowed dummy page: no windowed page
         self.wmap = torch.full((num_pages + 1,), self.none, dtype=torch.int32)  # host copy
-        self.refs = [0] * num_pages  # holders of each full page's windowed page
-        self.tails = [0] * num_pages  # of which the prefix cache's (a sequence's last window)
-        self.tailed: set[int] = set()
+        self.refs = [0] * num_pages  # running requests holding each full page's windowed page
+        self.idle: OrderedDict[int, None] = OrderedDict()  # cached, unheld: least recent first
         self.hold_from: dict[int, int] = {}  # row -> the first position its request holds
         self._changed: dict[int, int] = {}  # full page -> windowed page, for the device
         self._places: list[int] = []  # window-table entries to write (flat row * width + col)
@@ -93,7 +96,6 @@ class WindowCacheManager(CacheManager):
         start = self._first_read(match.length)
         self.hold_from[req.table_idx] = start
         self._hold(req.table_idx, start, match.length)
-        self._drop_tails(req.table_idx, start)
         self._commit()
 
     def allocate(self, reqs: list[Req]) -> None:
@@ -114,11 +116,10 @@ class WindowCacheManager(CacheManager):
     def cache_req(self, req: Req, finished: bool) -> None:
         """Also: where the row now reads the cache's copy of a page it computed, the hold moves
         to the copy (with the windowed page, if the copy has none); a request that leaves
-        hands its holds on its cached last window to the cache."""
+        lets go of its window, whose cached pages stay idle."""
         row, ps = req.table_idx, self.page_size
         start, end = self.hold_from[row], req.alloc_len
         old = self._pages(row, start, end)
-        cached = min(req.seq_len, req.cached_len) // ps * ps
         self._deferring = True
         try:
             super().cache_req(req, finished)
@@ -131,13 +132,10 @@ class WindowCacheManager(CacheManager):
             if int(self.wmap[c]) == self.none and o in self._orphans:
                 self._map(c, self._orphans.pop(o))  # the same keys: the copy takes the page
             self._hold(row, start + i * ps, start + (i + 1) * ps, [c])
-        if finished:
-            for i, page in enumerate(new):
-                # in the cache (still mapped: not freed with the request): its window stays
-                if start + (i + 1) * ps <= cached and int(self.wmap[page]) != self.none:
-                    self.tails[page] += 1
-                    self.tailed.add(page)
-            self._drop_tails(row, start)
+        if finished:  # the pages not freed with the request are the cache's now
+            for page in new:
+                if int(self.wmap[page]) != self.none:
+                    self._release(page, cached=True)
             del self.hold_from[row]
         self._commit()
 
@@ -154,8 +152,8 @@ class WindowCacheManager(CacheManager):
             if w != self.none:
                 self._map(page, self.none)
                 self._orphans[page] = w
-                self.refs[page] = self.tails[page] = 0
-                self.tailed.discard(page)
+                self.refs[page] = 0
+                self.idle.pop(page, None)
         if not self._deferring:
             self._commit()
         super()._free_slots(slots)
@@ -176,6 +174,7 @@ class WindowCacheManager(CacheManager):
         pages = self._pages(row, start, end) if pages is None else pages
         for i, page in enumerate(pages):
             self.refs[page] += 1
+            self.idle.pop(page, None)
             if int(self.wmap[page]) == self.none:
                 self._map(page, self.window_pages.alloc(1)[0])
             place = row * width + start + i * ps
@@ -183,14 +182,16 @@ class WindowCacheManager(CacheManager):
             first = int(self.wmap[page]) * ps
             self._slots += range(first, first + ps)
 
-    def _release(self, page: int, tail: bool = False) -> None:
+    def _release(self, page: int, cached: bool) -> None:
+        """One holder lets go; the last frees the windowed page, or leaves it idle where the
+        prefix cache holds the page."""
         self.refs[page] -= 1
         assert self.refs[page] >= 0, f"full page {page}'s windowed page released too often"
-        if tail:
-            self.tails[page] -= 1
-            if self.tails[page] == 0:
-                self.tailed.discard(page)
-        if self.refs[page] == 0:
+        if self.refs[page] > 0:
+            return
+        if cached:
+            self.idle[page] = None
+        else:
             self.window_pages.free([int(self.wmap[page])])
             self._map(page, self.none)
 
@@ -199,21 +200,17 @@ class WindowCacheManager(CacheManager):
         row = req.table_idx
         start, upto = self.hold_from[row], self._first_read(req.cached_len)
         if upto > start:
-            for page in self._pages(row, start, upto):
-                self._release(page)
+            for i, page in enumerate(self._pages(row, start, upto)):
+                self._release(page, cached=start + i * self.page_size < req.shared_len)
             self.hold_from[row] = upto
 
-    def _drop_tails(self, row: int, end: int) -> None:
-        """The cache's holds on older windows along the row's pages before `end`: a sequence
-        that extends them serves the next turn in their stead."""
-        if not self.tailed or end == 0:
-            return
-        for page in set(self._pages(row, 0, end)) & self.tailed:
-            while self.tails[page]:
-                self._release(page, tail=True)
-
     def _room(self, n: int) -> None:
-        """At least n free windowed pages, evicting the prefix cache if need be."""
+        """At least n free windowed pages: the idle ones freed, least recently released
+        first, then the prefix cache evicted, if need be."""
+        while self.window_pages.num_free < n and self.idle:
+            page, _ = self.idle.popitem(last=False)
+            self.window_pages.free([int(self.wmap[page])])
+            self._map(page, self.none)
         while self.window_pages.num_free < n and self.cache.evictable_tokens:
             short = n - self.window_pages.num_free
             self._free_slots(self.cache.evict(short * self.page_size))
@@ -244,8 +241,8 @@ class WindowCacheManager(CacheManager):
             self._places, self._slots = [], []
 
     def check_integrity(self, running: list[Req]) -> None:
-        """Also: every windowed page free or the part of one full page, each held as counted
-        (by the running requests over their windows and by the cache's tails)."""
+        """Also: every windowed page free or the part of one full page, held as counted by
+        the running requests over their windows, or idle on a cached page."""
         super().check_integrity(running)
         mapped = [w for w in self.wmap[:-1].tolist() if w != self.none]
         every = self.window_pages.free_pages() + mapped
@@ -254,13 +251,20 @@ class WindowCacheManager(CacheManager):
             f"{len(mapped)} mapped, {len(set(every))} distinct, pool has "
             f"{self.pool.num_window_pages}"
         )
-        held = list(self.tails)
+        held = [0] * self.num_pages
         for req in running:
             for page in self._pages(req.table_idx, self.hold_from[req.table_idx], req.alloc_len):
                 held[page] += 1
         assert held == self.refs, "windowed pages' holders miscounted"
         has = (self.wmap[:-1] != self.none).tolist()
-        assert has == [r > 0 for r in self.refs], "a windowed page with no holder, or none held"
+        idle = [page in self.idle for page in range(self.num_pages)]
+        assert all(h == (r > 0 or i) for h, r, i in zip(has, self.refs, idle)), (
+            "a windowed page neither held nor idle, or a held page without one"
+        )
+        cached = set((self.cache.all_slots()[:: self.page_size] // self.page_size).tolist())
+        assert all(r == 0 for r in (self.refs[p] for p in self.idle)) and cached >= set(
+            self.idle
+        ), "an idle windowed page is held, or on a page the cache does not hold"
         assert torch.equal(self.pool.window_map.cpu(), self.wmap), "the device's map differs"
 
 
