@@ -207,9 +207,10 @@ def test_fused_decode_kernel_is_not_asked_for_windows_or_partial_rotary(folders,
 
 def test_flashinfer_plans_one_wrapper_per_window(folders, fake_fi) -> None:  # noqa: F811
     """FlashInfer (chapter 19's stand-in, tests/flashinfer_stub.py) plans one wrapper per window and
-    runs each layer on its own: Qwen2 with a global layer, then a sliding one."""
+    runs each layer on its own: Qwen2 with a global layer, then a sliding one (in the same
+    pages: FlashInfer reads one page table)."""
     ids = token_ids(12)
-    engine = make_engine(folders["qwen2-window"], page_size=4)
+    engine = make_engine(folders["qwen2-window"], page_size=4, window_pages=0)
     fi = use_fi(engine, [])
     fi.set_windows([None, WINDOW])
     assert set(fi.prefill_wrappers) == set(fi.decode_wrappers) == {WINDOW, None}

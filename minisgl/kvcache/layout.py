@@ -79,9 +79,10 @@ class KVLayout:
     every_layer: tuple[tuple[int, int], ...]  # each attention layer's (KV heads, head_dim)
 
     @classmethod
-    def of(cls, config: ModelConfig, max_seq_len: int) -> KVLayout:
+    def of(cls, config: ModelConfig, max_seq_len: int, own_pages: bool = True) -> KVLayout:
         """The layout of `config`'s layers on this rank, for an engine of `max_seq_len`
-        positions (a window no shorter than that is no window)."""
+        positions (a window no shorter than that is no window); with `own_pages`, the
+        sliding layers apart from the others of their geometry (their pages may be their own)."""
         pool = kv_pool_layers(config)
         storing = [i for i in attention_layers(config) if kv_source(config, i) == i]
         shapes = {i: (rank_heads(config.num_heads, kv_shape(config, i)[0])[1],
@@ -91,11 +92,12 @@ class KVLayout:
         # A group is the layers of one geometry and one window: a window of its own lets a
         # group keep only its last pages (window_pages.py), as Gemma 3's sliding layers do
         # beside its global ones of the same shape.
-        members: dict[tuple[int, int, int | None], list[int]] = {}
+        members: dict[tuple[int, ...], list[int]] = {}
         for i in storing:
-            members.setdefault((*shapes[i], window[i]), []).append(i)
+            members.setdefault((*shapes[i], window[i]) if own_pages else shapes[i], []).append(i)
         groups = tuple(
-            KVGroup(heads, dim, tuple(layers), w) for (heads, dim, w), layers in members.items()
+            KVGroup(key[0], key[1], tuple(layers), _one_window([window[i] for i in layers]))
+            for key, layers in members.items()
         )
         index = {i: (g, k) for g, group in enumerate(groups) for k, i in enumerate(group.layers)}
         return cls(
@@ -180,6 +182,11 @@ class KVLayout:
         )
 
 
+def _one_window(windows: list[int | None]) -> int | None:
+    """A group's window: the one all its layers slide by, else None."""
+    return windows[0] if windows[0] is not None and len(set(windows)) == 1 else None
+
+
 class GroupedKVCache(MHAKVCache):
     """MHAKVCache's pool with one storage per layer group, [group layers, pages + 1,
     page_size, its KV heads, its head_dim], every group indexed by the same page ids (and
@@ -237,7 +244,8 @@ class EngineShape(Protocol):
 
 
 def layout_of(shape: EngineShape) -> KVLayout:
-    return KVLayout.of(shape.model_config, shape.max_seq_len)
+    own_pages = getattr(shape.config, "window_pages", None) != 0
+    return KVLayout.of(shape.model_config, shape.max_seq_len, own_pages)
 
 
 def bytes_per_page(shape: EngineShape) -> int:
@@ -245,16 +253,26 @@ def bytes_per_page(shape: EngineShape) -> int:
     sliding group, of the groups that keep every position (the windowed pages are apart:
     `budget_after_windows`), at least one byte (a page id of a model whose layers all slide)."""
     layout = layout_of(shape)
-    if layout.window is not None:
+    if windowed_pages(shape, layout):
         return max(1, shape.page_size * layout.split_bytes_per_token(shape.kv_dtype)[0])
     return shape.page_size * layout.bytes_per_token(shape.kv_dtype)
+
+
+def windowed_pages(shape: EngineShape, layout: KVLayout) -> bool:
+    """Whether the sliding groups keep pages of their own: where a group slides, unless
+    `window_pages` is 0 (then every page holds every group, as for a backend that reads one
+    page table: FlashInfer, flash-attn)."""
+    return layout.window is not None and getattr(shape.config, "window_pages", None) != 0
 
 
 def budget_after_windows(shape: EngineShape, budget: int, per_page: int) -> int:
     """The full pages' budget once a sliding group's windowed pages have theirs."""
     from minisgl.kvcache.window_pages import budget_after_windows
 
-    return budget_after_windows(shape, layout_of(shape), budget, per_page)
+    layout = layout_of(shape)
+    if not windowed_pages(shape, layout):
+        return budget
+    return budget_after_windows(shape, layout, budget, per_page)
 
 
 def new_pool(shape: EngineShape, num_pages: int) -> MHAKVCache:
@@ -263,7 +281,7 @@ def new_pool(shape: EngineShape, num_pages: int) -> MHAKVCache:
     layout = layout_of(shape)
     logger.info(layout.describe(shape.kv_dtype))
     window_pages = None
-    if layout.window is not None:
+    if windowed_pages(shape, layout):
         from minisgl.kvcache.window_pages import describe_split, window_pages_for
 
         window_pages = window_pages_for(shape, layout, num_pages)
@@ -283,7 +301,7 @@ def backend_for(shape: EngineShape, cls: type[BaseAttnBackend]) -> type[BaseAttn
     ValueError that says why not."""
     layout = layout_of(shape)
     chosen = _reads_pool(shape, layout, cls)
-    if layout.window is not None:  # the sliding layers read a page table of their own
+    if windowed_pages(shape, layout):  # the sliding layers read a page table of their own
         from minisgl.kvcache.window_pages import windowed_backend
 
         return windowed_backend(chosen)
@@ -291,7 +309,7 @@ def backend_for(shape: EngineShape, cls: type[BaseAttnBackend]) -> type[BaseAttn
 
 
 def _reads_pool(shape: EngineShape, layout: KVLayout, cls: type[BaseAttnBackend]) -> type:
-    groups, windowed = layout.groups, layout.window is not None
+    groups, windowed = layout.groups, windowed_pages(shape, layout)
     one_shape = len({(g.kv_heads, g.head_dim) for g in groups}) <= 1
     if (one_shape and not windowed) or cls.name in READS_GROUPS:
         return cls
@@ -300,7 +318,8 @@ def _reads_pool(shape: EngineShape, layout: KVLayout, cls: type[BaseAttnBackend]
     dims = " and ".join(f"{g.kv_heads} x {g.head_dim}" for g in groups)
     why = f"it takes one KV geometry, and {shape.model_config.architecture}'s layers have {dims}"
     if one_shape:
-        why = "it reads one page table, and the sliding layers keep pages of their own"
+        why = "it reads one page table, and the sliding layers keep pages of their own "
+        why += "(window_pages=0: none of their own)"
     if shape.config.attention_backend != "auto":
         raise ValueError(f"attention backend {cls.name!r} cannot run here: {why}")
     for name in READS_GROUPS:
