@@ -5,7 +5,8 @@ do to the frequencies; then builds three tiny random models (Mistral with a slid
 Gemma 3, Phi-3 with longrope and partial rotary) from a seed, serves a prompt longer than
 their windows and pretrained contexts, and compares every position's logits with
 transformers under teacher forcing. Last, the KV memory per token of the four published
-Gemma 4 configs, by layer group, as the engine sizes its pool.
+Gemma 4 configs, by layer group, as the engine sizes its pool, and what a 32K conversation
+keeps a token once the sliding layers keep only their window's pages (and Gemma 3's).
 
 Run from the repo root: python examples/ch29_model_families.py
 """
@@ -21,6 +22,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.kvcache.layout import KVLayout
+from minisgl.kvcache.window_pages import WindowedKVCache, sequence_bytes_per_token
 from minisgl.layers.rope_scaling import frequencies
 from minisgl.models.config import ModelConfig
 from minisgl.models.families import context_length, layer_rope
@@ -110,6 +112,10 @@ with tempfile.TemporaryDirectory() as root:
         )
         req = Req(torch.tensor(ids, dtype=torch.int32), 0, 0, 1, 0, SamplingParams())
         engine.page_table[0, : len(ids)] = torch.arange(len(ids), dtype=torch.int32)
+        pool = engine.kv_cache
+        if isinstance(pool, WindowedKVCache):  # sliding layers' own pages: here the same ids
+            pool.window_map[:-1] = torch.arange(16, dtype=torch.int32)
+            pool.window_table[0] = engine.page_table[0]
         engine.token_pool[0, : len(ids)] = req.input_ids
         batch = Batch([req], "prefill")
         engine.prepare_batch(batch)
@@ -122,11 +128,12 @@ with tempfile.TemporaryDirectory() as root:
 
 
 # ---- 3. Gemma 4: KV memory per token by layer group ---------------------------------------
-def gemma4(layers: int, pattern: int, kv: int, global_kv: int | None, shared: int) -> dict:
+def gemma4(layers: int, pattern: int, kv: int, global_kv: int | None, shared: int,
+           window: int) -> dict:  # fmt: skip
     """The KV-shaping fields of a published Gemma 4 config (their config.json's values)."""
     s, f = "sliding_attention", "full_attention"
     text = dict(num_hidden_layers=layers, num_key_value_heads=kv, head_dim=256,
-                global_head_dim=512, num_global_key_value_heads=global_kv,
+                global_head_dim=512, num_global_key_value_heads=global_kv, sliding_window=window,
                 attention_k_eq_v=global_kv is not None, num_kv_shared_layers=shared,
                 layer_types=([s] * (pattern - 1) + [f]) * (layers // pattern))  # fmt: skip
     return {"architectures": ["Gemma4ForConditionalGeneration"], "text_config": text}
@@ -134,16 +141,18 @@ def gemma4(layers: int, pattern: int, kv: int, global_kv: int | None, shared: in
 
 BF16 = torch.bfloat16
 published = {
-    "E2B": gemma4(35, 5, 1, None, 20),
-    "E4B": gemma4(42, 6, 2, None, 18),
-    "26B-A4B": gemma4(30, 6, 8, 2, 0),
-    "31B": gemma4(60, 6, 16, 4, 0),
+    "E2B": gemma4(35, 5, 1, None, 20, 512),
+    "E4B": gemma4(42, 6, 2, None, 18, 512),
+    "26B-A4B": gemma4(30, 6, 8, 2, 0, 1024),
+    "31B": gemma4(60, 6, 16, 4, 0, 1024),
 }
+CONVERSATION = 32768
 print("\nGemma 4, bf16 KV bytes a token: each group (layers x KV heads x head_dim), in all,")
 print("and if every attention layer kept its own")
 print("  model    sliding group            full group             shared   in all  every layer")
-for name, raw in published.items():
-    layout = KVLayout.of(ModelConfig.from_dict(raw), 4096)
+layouts = {name: KVLayout.of(ModelConfig.from_dict(raw), CONVERSATION + 1)
+           for name, raw in published.items()}  # fmt: skip
+for name, layout in layouts.items():
     groups = "  ".join(
         f"{len(g.layers):>2} x {g.kv_heads:>2} x {g.head_dim} {g.bytes_per_token(BF16):>8,}"
         for g in layout.groups
@@ -151,3 +160,17 @@ for name, raw in published.items():
     total, every = layout.bytes_per_token(BF16), layout.every_layer_bytes_per_token(BF16)
     print(f"  {name:<8} {groups}  {len(layout.shared):>6} {total:>8,}  {every:>8,} "
           f"({every / total:.2f}x)")  # fmt: skip
+
+# The sliding layers' pages apart (kvcache/window_pages.py): a conversation keeps the full
+# groups' bytes for every token, the sliding groups' for its last window only.
+layouts["gemma-3-1b"] = KVLayout.of(ModelConfig.from_dict({
+    "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 26, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "sliding_window": 512,
+    "sliding_window_pattern": 6}), CONVERSATION + 1)  # fmt: skip
+print(f"\na {CONVERSATION:,}-token conversation, bf16 KV bytes a token: in one page table, and")
+print("with the sliding layers' pages freed outside their window")
+for name, layout in layouts.items():
+    total = layout.bytes_per_token(BF16)
+    kept = sequence_bytes_per_token(layout, BF16, CONVERSATION)
+    print(f"  {name:<10} window {layout.window:>4}  {total:>8,} -> {kept:>7,.0f} "
+          f"({total / kept:.2f}x)")  # fmt: skip

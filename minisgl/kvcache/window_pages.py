@@ -224,13 +224,19 @@ def budget_after_windows(shape: EngineShape, layout: KVLayout, budget: int, per_
     return budget - config.window_pages * windowed
 
 
+def sequence_bytes_per_token(layout: KVLayout, dtype: torch.dtype, tokens: int) -> float:
+    """What a sequence of `tokens` keeps a token, once its sliding groups keep only their
+    last window: every token of the full groups, `window` tokens of the sliding ones."""
+    full, windowed = layout.split_bytes_per_token(dtype)
+    return full + windowed * min(tokens, layout.window or tokens) / tokens
+
+
 def describe_split(layout: KVLayout, num_pages: int, window_pages: int, ps: int,
                    dtype: torch.dtype, tokens: int = 32768) -> str:  # fmt: skip
     """One line: the full and windowed pages, their bytes, and a long sequence's bytes a
     token (its full groups' every token, its sliding groups' last window) against all."""
     full, windowed = layout.split_bytes_per_token(dtype)
-    assert layout.window is not None
-    long = full + windowed * min(tokens, layout.window) / tokens
+    long = sequence_bytes_per_token(layout, dtype, tokens)
     mib = 2**20
     return (
         f"KV pages: {num_pages} full ({num_pages * ps * full / mib:,.1f} MiB, {full:,} B a "

@@ -139,12 +139,11 @@ class WindowCacheManager(CacheManager):
             del self.hold_from[row]
         self._commit()
 
-    # >>> ch26
     def trim(self, req: Req, upto: int) -> None:
+        """Also: the windowed parts of the pages given back (rejected drafts')."""
         super().trim(req, upto)
         self._commit()
 
-    # <<< ch26
     def _free_slots(self, slots: torch.Tensor) -> None:
         """Full pages freed: their windowed pages too, whatever held them."""
         for page in (slots[:: self.page_size] // self.page_size).tolist():
