@@ -25,7 +25,7 @@ from helpers import TINY, all_logits, make_engine, need
 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.env import ENV
-from minisgl.kvcache.window_pages import WindowedKVCache
+from minisgl.kvcache.window_pages import WindowedKVCache, store_slots
 from minisgl.llm import LLM
 from minisgl.scheduler.window_cache import WindowCacheManager
 
@@ -156,6 +156,18 @@ def test_teacher_forced_logits_with_pages_given_back(folders, name, backend, pag
     cm.check_integrity([])
     assert cm.allocator.num_free == engine.num_pages
     assert cm.window_free == window_pages
+
+
+def test_kernels_that_store_keys_themselves_get_the_windowed_slots(folders) -> None:
+    """The fused rotary-and-store kernel (a GPU's) writes where `store_slots` says: a sliding
+    layer's windowed slots, a full layer's own."""
+    engine = make_engine(folders["gemma3"], page_size=4, window_pages=6)
+    pool = engine.kv_cache
+    assert isinstance(pool, WindowedKVCache) and pool.windowed == {0}
+    pool.window_map[:3] = torch.tensor([5, 0, 2], dtype=torch.int32)
+    slots = torch.tensor([0, 3, 4, 9, 11], dtype=torch.int32)
+    assert store_slots(pool, slots, 0).tolist() == [20, 23, 0, 9, 11]
+    assert store_slots(pool, slots, 1) is slots
 
 
 def _groups(engine) -> list:
