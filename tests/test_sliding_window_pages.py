@@ -254,3 +254,28 @@ def test_served_turns_equal_transformers(folders, name, page_size, overlap, monk
         assert out["cached_tokens"] == (len(p) + len(w) - 1) // page_size * page_size
     given = counter.decode_given
     assert any(b > a for a, b in zip(given, given[1:])), f"none given back in decode: {given}"
+
+
+def test_a_tight_windowed_pool_runs_fewer_at_once_and_leaks_nothing(folders) -> None:
+    """Windowed pages for little more than one request: admission waits for them (the three
+    prompts never all run at once), the tokens are transformers', every step's pools add up,
+    and a flush leaves both free lists full."""
+    prompts = [token_ids(30 + i, 3 * 8 + 5 * i) for i in range(3)]
+    model = hf_model(folders["gemma4"])
+    want = [hf_greedy(model, p, PARAMS.max_tokens) for p in prompts]
+    llm = LLM(str(folders["gemma4"]), device="cpu", dtype="float32", max_running_req=3,
+              page_size=4, num_page_override=128, max_prefill_length=7, cuda_graph_max_bs=0,
+              window_pages=7)  # fmt: skip
+    counter, sizes = FreeCounter(llm), []
+    llm.scheduler.listeners.append(counter)
+    counter.forward_launched = lambda batch: sizes.append(len(llm.scheduler.reqs))  # type: ignore
+    try:
+        got = [o["token_ids"] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        cache = llm.scheduler.cache
+        cache._free_slots(cache.cache.evict(cache.cache.evictable_tokens))  # a flush
+        llm.scheduler.check_integrity()
+        assert cache.allocator.num_free == cache.num_pages and cache.window_free == 7
+    finally:
+        llm.shutdown()
+    assert got == want
+    assert max(sizes) < 3

@@ -23,9 +23,10 @@ back to the deepest page boundary where they are. Two requests that computed the
 at once: the cache keeps the first's pages, and the second's windowed pages move to them where
 they have none (the keys are the same).
 
-Admission counts full pages as before: the windowed pool is sized to hold what the running
-requests can hold (window_pages.py). Where it runs short, the prefix cache is evicted (which
-frees both kinds); a request needing more than that leaves is a MemoryError.
+Admission and preemption count both kinds: a new page takes a full page and a windowed one,
+so the pages available are the fewer of the two (free or evictable; free or idle). The count
+is cautious: the pages a step gives back behind the window are not in it yet. The windowed
+pool is sized for what the running requests can hold (window_pages.py), so it seldom binds.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ class WindowCacheManager(CacheManager):
     @property
     def window_free(self) -> int:
         return self.window_pages.num_free
+
+    @property
+    def available_pages(self) -> int:
+        """Pages that can be handed out now, full and windowed: a new page takes one of each
+        (the windowed ones: free, or idle on a cached page; an evictable page's windowed
+        part is idle, or it has none)."""
+        return min(super().available_pages, self.window_pages.num_free + len(self.idle))
 
     # ---- the cache manager's operations, for both kinds of pages
 
