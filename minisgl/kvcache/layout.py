@@ -2,27 +2,30 @@
 
 Until chapter 29 every layer kept keys and values of one shape, so the KV pool was one tensor
 [layers, pages + 1, page_size, kv_heads, head_dim]. Now a layer keeps one of:
-- paged keys and values in a *group*: the layers of one geometry (KV heads x head_dim).
-  Gemma 4's 256-dim sliding layers are one group, its 512-dim full layers another;
+- paged keys and values in a *group*: the layers of one geometry (KV heads x head_dim) and
+  one window. Gemma 4's 256-dim sliding layers are one group, its 512-dim full layers
+  another; Gemma 3's sliding and global layers, of one geometry, are two;
 - nothing: it attends over an earlier layer's keys (Gemma 4's KV-shared layers);
 - a recurrent state per request, in the state pool (Qwen3.5's linear layers, state_pool.py).
 
 `KVLayout` says which, for every layer, computed once from the model's config and this
-rank's share of the heads. The pool keeps one storage per group, all indexed by the same
-page ids: there is one page table, and a page holds page_size tokens of every group, so a
-page costs the sum of the groups' bytes. A model of one group (Llama, Qwen3, Qwen3.5's
-attention layers, Gemma 3) gets chapter 3's `MHAKVCache`; a model of several gets
-`GroupedKVCache`, which has its interface.
+rank's share of the heads. The pool keeps one storage per group. The groups that keep every
+position are indexed by the same page ids: one page table, and a page holds page_size tokens
+of each. A sliding group has page ids of its own, fewer, given back once the window has
+passed them (window_pages.py); with `window_pages=0` it shares the full ones, and a page
+costs the sum of the groups' bytes. A model of one group without a window (Llama, Qwen3,
+Qwen3.5's attention layers) gets chapter 3's `MHAKVCache`; a model of several gets
+`GroupedKVCache`, which has its interface, or with a sliding group `WindowedKVCache`.
 
 The pool's layers are the storing layers in order (`families.kv_pool_layers`). A KV-shared
 layer attends with its source's pool layer: the source's keys, and the source's window,
-which is its own (the source is of its kind). A group records its window where all its layers
-slide by one: its pages older than the window are never read again, which a pool that
-frees them can use.
+which is its own (the source is of its kind). A group records its window: its keys older
+than the window are never read again, which the windowed pool uses.
 
 Start-up asks this module, and only this one, what the layers keep: the bytes of a page, the
-pool, each pool layer's window, whether an attention backend can read the pool, and the
-recurrent states' share of the budget (state_pool.py's functions).
+windowed pages' and the recurrent states' share of the budget (window_pages.py's and
+state_pool.py's functions), the pool, each pool layer's window, and whether an attention
+backend can read the pool.
 """
 
 from __future__ import annotations
