@@ -279,3 +279,22 @@ def test_a_tight_windowed_pool_runs_fewer_at_once_and_leaks_nothing(folders) -> 
         llm.shutdown()
     assert got == want
     assert max(sizes) < 3
+
+
+@pytest.mark.parametrize("kind", ["full", "breakable"])
+def test_prefill_graphs_equal_transformers(folders, kind) -> None:
+    """Chunked prompts through emulated prefill graphs (whole, or broken at attention): the
+    sliding layers' metadata goes through their own static buffers too."""
+    prompts = [token_ids(40 + i, 4 * 8 + 3 * i) for i in range(2)]
+    model = hf_model(folders["gemma4"])
+    want = [hf_greedy(model, p, PARAMS.max_tokens) for p in prompts]
+    llm = LLM(str(folders["gemma4"]), device="cpu", dtype="float32", max_running_req=2,
+              page_size=4, num_page_override=64, max_prefill_length=8, cuda_graph_max_bs=2,
+              prefill_graph=kind, prefill_graph_tokens=[8], window_pages=16)  # fmt: skip
+    try:
+        assert llm.engine.graph_runner.graphs("prefill")
+        got = [o["token_ids"] for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        llm.scheduler.check_integrity()
+    finally:
+        llm.shutdown()
+    assert got == want
