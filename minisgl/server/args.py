@@ -107,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p.config_option("quantization", choices=["fp8"], help=_FP8_HELP)  # [ch28]
     p.config_option("kv_cache_dtype", choices=list(KV_CACHE_DTYPES), help=_KV_HELP)  # [ch28]
     p.config_option("max_prefill_length", type=int)
+    p.config_option("window_pages", type=int, help="sliding layers' own pages, 0: none")  # [ch29]
     p.config_option("state_snapshots", type=int, help=_SNAPSHOT_HELP)  # [ch31]
     p.config_option("grammar_compile_timeout", type=float, help=_GRAMMAR_HELP)  # [ch25]
     p.add_argument("--shell", action="store_true", help="chat in the terminal instead of serving")
