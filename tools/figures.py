@@ -4,9 +4,10 @@ Usage: python tools/figures.py [--only ch11 ...] [--out docs/figures]
 
 Where an idea is spatial (the pool and a page table, the shifted causal mask, a request's
 life and its pages, the radix tree, the overlap timeline, a padded graph batch, a verify
-batch), a chapter shows a picture of it. None is drawn by hand: each function below runs
-the chapter's code on a small case (SmolLM2 on the CPU, or no model at all), records the
-state it reached, and draws that. Run from the repository root, after `make models`; each
+batch, a pool's layer groups and windowed pages), a chapter shows a picture of it. None is
+drawn by hand: each function below runs the chapter's code on a small case (SmolLM2 on the
+CPU, a tiny random model built from a seed, or no model at all), records the state it
+reached, and draws that. Run from the repository root, after `make models`; each
 chapter text shows its picture from docs/figures/.
 """
 
@@ -42,13 +43,15 @@ plt.rcParams.update(
 
 
 def example_constants(path: str, *names: str, **scope: Any) -> list[Any]:
-    """The named module-level constants of an example (`WAVES`, `KW`, ...), from its source:
-    its statements that assign upper-case names run, given `scope`, and the rest does not.
-    So a figure runs the example's own case without running the example."""
+    """The named module-level constants of an example (`WAVES`, `KW`, ...), and the functions
+    named (`gemma4`), from its source: its statements that assign upper-case names and the
+    named functions' definitions run, given `scope`, and the rest does not. So a figure runs
+    the example's own case without running the example."""
     for node in ast.parse(Path(path).read_text()).body:
         targets = node.targets if isinstance(node, ast.Assign) else []
         roots = [t.value if isinstance(t, ast.Subscript) else t for t in targets]
-        if roots and all(isinstance(r, ast.Name) and r.id.isupper() for r in roots):
+        named = isinstance(node, ast.FunctionDef) and node.name in names
+        if named or roots and all(isinstance(r, ast.Name) and r.id.isupper() for r in roots):
             exec(compile(ast.Module([node], []), path, "exec"), scope)
     return [scope[name] for name in names]
 
@@ -737,6 +740,155 @@ def ch26_verify(out: Path) -> Path:
     return save(fig, out, "ch26_verify_batch")
 
 
+# ---- chapter 29: a Gemma 4 pool's layer groups, and its windowed pages over a run ----------
+
+
+def windowed_run() -> tuple[Any, int, int, list[dict]]:
+    """A tiny random Gemma 4 shaped like E2B (the chapter 29 example's `gemma4` fields: 4
+    sliding layers of window 8, a full one, then 5 that read their keys) through the
+    Scheduler with the windowed pool, pages of 4, on the CPU: request 0's 20-token prompt in
+    two chunks, then request 1 from step 7, both decoding well past the window. Returns the
+    layout, the page size, the windowed pool's pages and, after every step, the full and
+    windowed pages in use and each running request's tokens with keys in the pool."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, Gemma4TextConfig
+
+    from minisgl.core import SamplingParams
+    from minisgl.env import ENV
+    from minisgl.kvcache.layout import KVLayout
+    from minisgl.message.backend import UserMsg
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    [gemma4] = example_constants("examples/ch29_model_families.py", "gemma4", torch=torch)
+    text = gemma4(10, 5, 1, None, 5, 8)["text_config"]  # E2B: gemma4(35, 5, 1, None, 20, 512)
+    text.update(head_dim=16, global_head_dim=32)  # E2B's 256 and 512, scaled down
+    config = Gemma4TextConfig(
+        **text, vocab_size=256, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, architectures=["Gemma4ForCausalLM"],
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (20, 12)]
+    ENV.DISABLE_OVERLAP_SCHEDULING.value = True  # each step's state is the step's own
+    steps: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp)
+        sched = Scheduler(
+            SchedulerConfig(
+                tmp, dtype=torch.float32, device="cpu", max_running_req=2, page_size=4,
+                num_page_override=64, max_seq_len_override=128, max_prefill_length=16,
+                cache_type="naive", cuda_graph_max_bs=0,
+            ),
+            {config.eos_token_id},
+        )  # fmt: skip
+        cm, pool = sched.cache, sched.engine.kv_cache
+        layout = KVLayout.of(sched.engine.model_config, sched.engine.max_seq_len)
+
+        def submit(uid: int, n: int) -> None:
+            params = SamplingParams(max_tokens=n, ignore_eos=True)
+            sched.add_request(UserMsg(uid, prompts[uid], params))
+
+        submit(0, 56)
+        while sched.has_work:
+            if len(steps) == 6:
+                submit(1, 36)
+            sched.step()
+            sched.check_integrity()
+            steps.append(
+                dict(
+                    full=cm.num_pages - cm.allocator.num_free,
+                    windowed=pool.num_window_pages - cm.window_free,
+                    tokens={r.uid: r.cached_len for r in sched.reqs.values()},
+                )
+            )
+        sched.shutdown()
+    ENV.DISABLE_OVERLAP_SCHEDULING.value = None
+    return layout, cm.page_size, pool.num_window_pages, steps
+
+
+def ch29_pages(out: Path) -> Path:
+    """Left, which layer keeps its keys in which group of the pool (or reads another's) and
+    what a token costs each group; right, the pages in use after every step of a run: the
+    full pages grow with the sequences, the windowed ones stay at the window's few."""
+    layout, ps, window_pages, steps = windowed_run()
+    dtype = torch.float32
+    shared = dict(layout.shared)
+    layers = len(layout.every_layer)
+    group_of = {layer: g for g, group in enumerate(layout.groups) for layer in group.layers}
+    color = [COLORS[0] if g.window else COLORS[1] for g in layout.groups]
+    [slide] = [g for g, group in enumerate(layout.groups) if group.window]  # E2B: one of each
+    [whole] = [g for g, group in enumerate(layout.groups) if not group.window]
+
+    fig = plt.figure(figsize=(10, 4.4))
+    grid = fig.add_gridspec(2, 2, width_ratios=[1, 1.4], height_ratios=[1, 2], wspace=0.3)
+    ax = fig.add_subplot(grid[:, 0])
+    frame(ax, 6.2, layers + 5.4)
+    ax.text(0, -0.3, "the pool's groups, a row per layer", weight="bold")
+    for layer in range(layers):
+        heads, dim = layout.every_layer[layer]
+        ax.text(1.25, layer + 0.5, f"layer {layer}", ha="right", va="center")
+        if layer in shared:
+            src = shared[layer]
+            what = f"reads layer {src}'s keys: stores none"
+            cell(ax, 1.4, layer, "", FREE, w=4.6)
+            ax.text(3.7, layer + 0.5, what, ha="center", va="center", fontsize=7.5,
+                    color=color[group_of[src]])  # fmt: skip
+            continue
+        group = layout.groups[group_of[layer]]
+        kind = f"sliding, window {group.window}" if group.window else "full"
+        what = f"group {group_of[layer]}: {kind}, {heads} x {dim}"
+        cell(ax, 1.4, layer, what, color[group_of[layer]], w=4.6, fontsize=7.5)
+    for g, group in enumerate(layout.groups):
+        pages = "windowed pages: its last window" if group.window else "full pages: every token"
+        first, last, n = group.layers[0], group.layers[-1], len(group.layers)
+        span = f"layers {first}-{last}" if last > first else f"layer {first}"
+        ax.text(
+            0,
+            layers + 0.7 + 1.9 * g,
+            f"group {g} ({span}): {n} layer{'s' * (n > 1)} x {group.kv_heads} KV head x "
+            f"{group.head_dim} x K,V\n= {group.bytes_per_token(dtype):,} B a token (fp32), "
+            f"kept in\n{pages}",
+            va="top",
+            fontsize=7.5,
+            color=color[g],
+        )
+    ax.text(0, layers + 4.6, f"KV-shared layers {min(shared)}-{max(shared)}: 0 B", va="top",
+            fontsize=7.5)  # fmt: skip
+
+    x = range(1, len(steps) + 1)
+    top = fig.add_subplot(grid[0, 1])
+    for uid in sorted({u for s in steps for u in s["tokens"]}):
+        y = [s["tokens"].get(uid, float("nan")) for s in steps]
+        top.plot(x, y, color=OWNERS[1 + uid], label=f"request {uid}")
+    top.axhline(layout.window, color=MUTED, linestyle=":", linewidth=1)
+    top.text(len(steps), layout.window + 2, "the window", ha="right", fontsize=7, color="#777777")
+    top.set_ylabel("tokens in\nthe pool", fontsize=8)
+    top.set_title("a run: tokens of each sequence, pages in use after every step", fontsize=9)
+    top.legend(fontsize=7, frameon=False, loc="upper left")
+    top.tick_params(labelbottom=False)
+    bottom = fig.add_subplot(grid[1, 1], sharex=top)
+    full = [s["full"] for s in steps]
+    windowed = [s["windowed"] for s in steps]
+    kib = [ps * g.bytes_per_token(dtype) / 1024 for g in layout.groups]
+    bottom.step(x, full, where="post", color=color[whole],
+                label=f"full pages ({kib[whole]:g} KiB each)")  # fmt: skip
+    bottom.step(x, windowed, where="post", color=color[slide],
+                label=f"windowed pages ({kib[slide]:g} KiB each)")  # fmt: skip
+    bottom.axhline(window_pages, color=color[slide], linestyle=":", linewidth=1)
+    bottom.text(1, window_pages + 0.5, f"the windowed pool: {window_pages} pages", fontsize=7,
+                color=color[slide])  # fmt: skip
+    bottom.set_ylabel(f"pages of {ps} tokens", fontsize=8)
+    bottom.set_xlabel("step")
+    bottom.legend(fontsize=7, frameon=False, loc="lower right", bbox_to_anchor=(1, 0.3))
+    for a in (top, bottom):
+        a.spines[["top", "right"]].set_visible(False)
+        a.tick_params(labelsize=7)
+    return save(fig, out, "ch29_window_pages")
+
+
 # ---- chapter 31: what the prefix cache serves a hybrid model, turn by turn ----------------
 
 
@@ -782,6 +934,7 @@ FIGURES: dict[str, Callable[[Path], Path]] = {
     "ch12": ch12_timeline,
     "ch18": ch18_padding,
     "ch26": ch26_verify,
+    "ch29": ch29_pages,
     "ch31": ch31_state,
 }
 
