@@ -1,6 +1,7 @@
-"""tools/figures.py: every picture it draws is committed and shown in its chapter, and the
-pictures that need no model draw from this chapter's code (the ones that run SmolLM2 are
-drawn by `python tools/figures.py`, a few seconds each, and not here)."""
+"""tools/figures.py: every picture it draws is committed and shown in its chapter, the
+pictures that need no model draw from this chapter's code, and chapter 29's run of a tiny
+random model reached the state its picture claims (the ones that run SmolLM2 are drawn by
+`python tools/figures.py`, a few seconds each, and not here)."""
 
 from __future__ import annotations
 
@@ -40,3 +41,18 @@ def test_the_mask_is_the_causal_triangle_shifted_by_the_cached_prefix() -> None:
             seen = (weights[first + j, : req.device_len] > 0).tolist()
             assert seen == [key <= req.cached_len + j for key in range(req.device_len)]
         first += req.extend_len
+
+
+def test_the_windowed_run_keeps_a_window_of_pages_while_the_full_pages_grow() -> None:
+    """What the chapter 29 picture claims, from the run it draws: every full page a token
+    needs is in use, each running request holds at most the pages over its window (and one
+    more where the newest straddles), and everything is given back at the end."""
+    layout, ps, window_pages, steps = figures.windowed_run()
+    assert [len(g.layers) for g in layout.groups] == [4, 1] and len(layout.shared) == 5
+    assert layout.window == 8 and window_pages >= 2 * (8 // ps + 2)
+    for step in steps[2:-1]:  # after the prompt's two chunks, before the end
+        tokens = step["tokens"].values()
+        assert step["full"] == sum(-(-t // ps) for t in tokens)
+        assert step["windowed"] <= len(tokens) * (8 // ps + 1)
+    assert max(s["full"] for s in steps) > 3 * max(s["windowed"] for s in steps)
+    assert steps[-1] == {"full": 0, "windowed": 0, "tokens": {}}
