@@ -25,8 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_sliding_window_pages as windowed
 import torch
 from helpers import ROOT, SMOL, TINY, Server, httpx, metrics, need, run_tool, serving
+from test_sliding_window_pages import folders  # noqa: F401 (a fixture)
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -395,3 +397,35 @@ def test_state_documents_its_fields(server):
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = (line for line in r.iter_lines() if line.startswith("data: "))
         assert '"seq"' in next(lines)
+
+
+def test_the_live_page_counts_windowed_pages(folders) -> None:  # noqa: F811 (the fixture)
+    """Chapter 29's windowed pool on the page (the snapshot, as it crosses the socket): the
+    windowed pages running requests hold (a window's few each, whatever their length), those
+    idle on cached pages, of the windowed pool; none held once every request has left."""
+    llm = LLM(str(folders["gemma4"]), device="cpu", dtype="float32", max_running_req=3,
+              page_size=4, num_page_override=128, max_prefill_length=7, cuda_graph_max_bs=0,
+              cache_type="radix", window_pages=16)  # fmt: skip
+    try:
+        s = llm.scheduler
+        observer = Observer(s)
+        observer.receive([WatchMsg(30.0)])
+        msgs = [
+            UserMsg(700 + i, windowed.token_ids(40 + i, 3 * 8 + 5 * i), windowed.PARAMS)
+            for i in range(2)
+        ]
+        observer.receive(msgs)
+        s.receive(msgs)
+        seen = []
+        while s.has_work:
+            observer.next_at = 0.0  # a snapshot after every step
+            if (snap := observer.publish(s.step())) is not None:
+                seen.append(decode(encode(snap)).counters)
+    finally:
+        llm.shutdown()
+    assert seen and all(c["window_pages"] == 16 for c in seen)
+    # a request holds its window and a chunk of 7 at most, in pages of 4: 5 pages, where its
+    # 38 to 43 tokens would hold 10 or 11
+    assert all(c["window_pages_in_use"] <= 2 * (-(-(8 + 7) // 4) + 1) for c in seen)
+    assert max(c["window_pages_in_use"] for c in seen) > 0
+    assert seen[-1]["window_pages_in_use"] == 0 and seen[-1]["window_pages_idle"] > 0  # cached

@@ -30,6 +30,7 @@ from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
 from minisgl.message.dashboard import DashboardSnapshot, WatchMsg
 from minisgl.scheduler.hybrid_cache import state_counters  # [ch31]
 from minisgl.scheduler.views import pool_view, tree_view
+from minisgl.scheduler.window_cache import window_counters
 from minisgl.utils import cdiv
 
 if TYPE_CHECKING:
@@ -244,6 +245,7 @@ class Observer:
             "preemptions_total": s.num_preemptions,
             "cached_tokens_total": s.prefill.cached_tokens_total,
             "steps_total": self.log.count,
+            **window_counters(s.cache),  # a sliding window's own pages (chapter 29)
             **state_counters(len(s.reqs), s.cache, s.engine.state_pool),  # [ch31]
         }
 

@@ -289,3 +289,14 @@ def window_cache(manager: CacheManager, kv_cache: object) -> CacheManager:
     return WindowCacheManager(
         manager.num_pages, manager.page_size, manager.page_table, cache_type, kv_cache
     )
+
+
+def window_counters(manager: CacheManager) -> dict:
+    """What the live page shows of the sliding layers' own pages: those the running requests
+    hold, those idle on cached pages (the first freed when pages run short), of the windowed
+    pool (no counters for a model whose sliding layers keep none of their own)."""
+    if not isinstance(manager, WindowCacheManager):
+        return {}
+    total, idle = manager.window_pages.num_pages, len(manager.idle)
+    return {"window_pages_in_use": total - manager.window_free - idle,
+            "window_pages_idle": idle, "window_pages": total}  # fmt: skip

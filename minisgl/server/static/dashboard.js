@@ -52,6 +52,11 @@ function drawCounters(s) {
     ["cached-tokens", c.cached_tokens_total, "prompt tokens from the cache"],
     ["steps-total", c.steps_total, "steps recorded"],
   ];
+  if (c.window_pages !== undefined) {
+    // sliding layers with pages of their own (chapter 29): absent where they keep none
+    cards.push(["window-pages", `${c.window_pages_in_use} + ${c.window_pages_idle} / ${c.window_pages}`,
+                "windowed pages held + idle"]);
+  }
   if (c.state_slots !== undefined) {
     // a hybrid model's recurrent states (chapter 31): absent for a model without linear layers
     cards.push(
