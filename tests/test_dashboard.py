@@ -407,20 +407,10 @@ def test_the_live_page_counts_windowed_pages(folders) -> None:  # noqa: F811 (th
               page_size=4, num_page_override=128, max_prefill_length=7, cuda_graph_max_bs=0,
               cache_type="radix", window_pages=16)  # fmt: skip
     try:
-        s = llm.scheduler
-        observer = Observer(s)
+        observer = Observer(llm.scheduler)
         observer.receive([WatchMsg(30.0)])
-        msgs = [
-            UserMsg(700 + i, windowed.token_ids(40 + i, 3 * 8 + 5 * i), windowed.PARAMS)
-            for i in range(2)
-        ]
-        observer.receive(msgs)
-        s.receive(msgs)
-        seen = []
-        while s.has_work:
-            observer.next_at = 0.0  # a snapshot after every step
-            if (snap := observer.publish(s.step())) is not None:
-                seen.append(decode(encode(snap)).counters)
+        prompts = [windowed.token_ids(40 + i, 3 * 8 + 5 * i) for i in range(2)]
+        seen = [snap.counters for snap in run(llm, observer, prompts, windowed.PARAMS.max_tokens)]
     finally:
         llm.shutdown()
     assert seen and all(c["window_pages"] == 16 for c in seen)
