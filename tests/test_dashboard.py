@@ -373,8 +373,14 @@ def test_page_shows_what_the_scheduler_reports(server, browser, artifacts):
     ends = prefix_ends(snap["tree"]["nodes"])
     node = next(n for n in snap["tree"]["nodes"] if ends[n["id"]] == common)
     assert node["children"] >= 2
-    drawn = page.find_element("css selector", f'#tree g.node[data-id="{node["id"]}"]')
-    start, tokens = (int(drawn.get_attribute(f"data-{k}")) for k in ("start", "tokens"))
+    # One script reads both: the page redraws its tree on every snapshot, idle or not.
+    drawn = page.execute_script(
+        "const g = document.querySelector(arguments[0]);"
+        "return g && [g.dataset.start, g.dataset.tokens];",
+        f'#tree g.node[data-id="{node["id"]}"]',
+    )
+    assert drawn, f"node {node['id']} is not drawn"
+    start, tokens = (int(v) for v in drawn)
     assert start + tokens == common and tokens == node["tokens"]
 
 
