@@ -70,6 +70,12 @@ class _Env:
         # >>> ch31 the Gated DeltaNet layers' kernels: torch (the reference), triton (ours),
         # auto: ours on CUDA (measured faster there: docs/benchmarks.md), torch elsewhere
         self.GATED_DELTA = EnvVar.read("GATED_DELTA", "auto", choices=("auto", "torch", "triton"))
+        # a prefill's recurrence in our kernels: one-pass (each request's chunks of 16 walked
+        # with all their work inside) or two-pass (kernels/gated_delta_chunks.py: every chunk's
+        # own work at once, then walks of 64 tokens a step); not yet measured on a GPU
+        self.GATED_DELTA_PREFILL = EnvVar.read(
+            "GATED_DELTA_PREFILL", "one-pass", choices=("one-pass", "two-pass")
+        )
         # <<< ch31
 
 

@@ -93,7 +93,7 @@ def make_pool(seed: int = 1) -> RecurrentStatePool:
 
 
 def run(layer: GatedDeltaNet, pool: RecurrentStatePool, x: torch.Tensor, lengths: list[int],
-        slots: list[int], kernels: str) -> torch.Tensor:  # fmt: skip
+        slots: list[int], kernels: str, two_pass: bool = False) -> torch.Tensor:  # fmt: skip
     """The layer's forward over packed tokens x of requests of `lengths` in `slots`."""
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     batch = SimpleNamespace(
@@ -101,7 +101,7 @@ def run(layer: GatedDeltaNet, pool: RecurrentStatePool, x: torch.Tensor, lengths
         padded_reqs=[SimpleNamespace(extend_len=n) for n in lengths],
         is_decode=max(lengths) == 1 and min(lengths) == 1, phase="prefill",
     )  # fmt: skip
-    pool.kernels = kernels
+    pool.kernels, pool.two_pass = kernels, two_pass
     ctx = Context(None)  # type: ignore[arg-type]
     ctx.state_pool = pool
     set_global_ctx(ctx)
@@ -164,14 +164,14 @@ def test_torch_path_batches_requests_as_each_alone() -> None:
 # ---- our Triton kernels against the torch path
 
 
-def both_paths(lengths: list[int], slots: list[int]):
+def both_paths(lengths: list[int], slots: list[int], two_pass: bool = False):
     """(torch's output and pool, the kernels' output and pool) from the same start."""
     layer = make_layer()
     x = torch.randn(sum(lengths), HIDDEN, generator=torch.Generator().manual_seed(4))
     out = []
     for kernels in ("torch", "triton"):
         pool = make_pool()
-        out.append((run(layer, pool, x, lengths, slots, kernels), pool))
+        out.append((run(layer, pool, x, lengths, slots, kernels, two_pass), pool))
     return out
 
 
@@ -201,12 +201,13 @@ def test_decode_kernel_equals_the_torch_path(early: int, monkeypatch) -> None:
 
 
 @triton_only
-def test_prefill_kernels_equal_the_torch_path() -> None:
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_prefill_kernels_equal_the_torch_path(two_pass: bool) -> None:
     """Requests of 6, 1 and 9 tokens (6 and 1 shorter than the conv's window), then a
     filler of 3 tokens and an empty request, both in the dummy slot, as a prefill graph
-    pads a batch."""
+    pads a batch; the recurrence in one pass and in two."""
     lengths, slots = [6, 1, 9, 3, 0], [3, 0, 2, DUMMY, DUMMY]
-    (want, want_pool), (got, got_pool) = both_paths(lengths, slots)
+    (want, want_pool), (got, got_pool) = both_paths(lengths, slots, two_pass)
     assert close(got[:16], want[:16], 1e-5)
     assert_same_states(want_pool, got_pool, slots)
 
@@ -240,3 +241,28 @@ def test_chunked_and_recurrent_kernels_agree() -> None:
     (o1, s1), (o2, s2) = out.values()
     assert close(o2, o1, 1e-5) and close(s2, s1, 1e-5)
     assert not torch.equal(s1[1, 2], make_pool().ssm[1, 2])  # it did write
+
+
+@triton_only
+def test_two_pass_kernels_equal_the_token_by_token_recurrence() -> None:
+    """kernels/gated_delta_chunks.py against the token-by-token kernel: requests of 130
+    tokens (two whole chunks of 64 and two tokens), 3, none, exactly 64 and 65, from nonzero
+    states; every chunk of the batch found by its program, the empty request's slot left."""
+    from minisgl.kernels import gated_delta_chunks
+
+    s, lengths = SHAPE, [130, 3, 0, 64, 65]
+    slots = torch.tensor([2, 0, 4, 1, 3])
+    gen = torch.Generator().manual_seed(5)
+    mixed = torch.randn(sum(lengths), s.conv_dim, generator=gen)
+    a, b = torch.randn(2, sum(lengths), s.num_value_heads, generator=gen)
+    A_log, dt_bias = torch.rand(s.num_value_heads, generator=gen), torch.randn(s.num_value_heads)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    out = {}
+    for kernel in (gated_delta.recurrent_varlen, gated_delta_chunks.chunks_varlen):
+        pool = make_pool()
+        o = kernel(mixed, a, b, A_log, dt_bias, pool.ssm[1], slots, offsets, s)
+        out[kernel.__name__] = o, pool.ssm
+    (o1, s1), (o2, s2) = out.values()
+    assert close(o2, o1, 1e-5) and close(s2, s1, 1e-5)
+    assert torch.equal(s2[1, 4], make_pool().ssm[1, 4])  # the empty request's
+    assert not torch.equal(s2[1, 1], make_pool().ssm[1, 1])  # the 64 tokens' did change

@@ -15,7 +15,9 @@ their slots in a state pool. The sides:
 - torch: the layer's reference path (the default), the chunked delta rule for a prefill;
 - ours: kernels/gated_delta.py (MINISGL_GATED_DELTA=triton): one kernel a decode step; a
   prefill's conv, conv-state update and chunked recurrence (16 tokens a step), then the
-  gated norm; "ours, by token" is the same with the token-by-token recurrence;
+  gated norm; "ours, by token" is the same with the token-by-token recurrence, "ours, two
+  passes" with kernels/gated_delta_chunks.py's (every chunk's own work at once, then the
+  walks, 64 tokens a step: MINISGL_GATED_DELTA_PREFILL=two-pass);
 - fla: fla-core's `fused_recurrent_gated_delta_rule` (decode) and `chunk_gated_delta_rule`
   (prefill, with cu_seqlens) on q, k, v, g and beta already made, states in a dense tensor:
   the recurrence alone, without the conv, the gates, the slots or the norm. A lower bound
@@ -118,17 +120,22 @@ class Setup:
         method = self.layer._kernels if kernels == "triton" else self.layer._reference
         return lambda: method(self.qkv, self.z, self.b, self.a, self.batch, self.pool)
 
-    def by_token(self) -> Callable[[], torch.Tensor]:
-        """Our prefill with the token-by-token recurrence instead of the chunked one."""
-        from minisgl.kernels import gated_delta
+    def prefill_with(self, rule: str) -> Callable[[], torch.Tensor]:
+        """Our prefill with another recurrence in place of the chunked one: "by token"
+        (`recurrent_varlen`) or "two passes" (`gated_delta_chunks.chunks_varlen`)."""
+        from minisgl.kernels import gated_delta, gated_delta_chunks
 
         layer, b = self.layer, self.batch
+        recurrence = {
+            "by token": gated_delta.recurrent_varlen,
+            "two passes": gated_delta_chunks.chunks_varlen,
+        }[rule]
 
         def run() -> torch.Tensor:
             conv, ssm = self.pool.conv[layer.index], self.pool.ssm[layer.index]
             weight = layer.conv1d.weight.squeeze(1)
             mixed = gated_delta.conv_varlen(self.qkv, weight, conv, b.state_slots, b.state_offsets)
-            o = gated_delta.recurrent_varlen(
+            o = recurrence(
                 mixed, self.a, self.b, layer.A_log, layer.dt_bias, ssm, b.state_slots,
                 b.state_offsets, self.shape,
             ).to(self.qkv.dtype)  # fmt: skip
@@ -253,8 +260,9 @@ def bench(case: Case, args: argparse.Namespace, fla, device, dtype) -> list[str]
     sides["ours"] = setup.side("triton")
     diffs = {"torch": 0.0, "ours": max_diff(setup, setup.side("triton"))}
     if not decode:
-        sides["ours, by token"] = setup.by_token()
-        diffs["ours, by token"] = max_diff(setup, sides["ours, by token"])
+        for rule in ("by token", "two passes"):
+            sides[f"ours, {rule}"] = setup.prefill_with(rule)
+            diffs[f"ours, {rule}"] = max_diff(setup, sides[f"ours, {rule}"])
     notes = {}
     if fla is not None and device.type == "cuda":
         sides["fla"] = setup.fla_side(fla)

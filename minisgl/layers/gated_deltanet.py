@@ -28,7 +28,9 @@ Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA
   The padding's shape is read from the requests' lengths on the host;
 - triton (kernels/gated_delta.py, the default on CUDA): one kernel for a decode step, and
   for a prefill a conv and the chunked rule that read every length and slot from device
-  tensors, so a CUDA graph of a prefill replays correctly for any lengths.
+  tensors, so a CUDA graph of a prefill replays correctly for any lengths. With
+  MINISGL_GATED_DELTA_PREFILL=two-pass the chunked rule is kernels/gated_delta_chunks.py's:
+  every chunk's own work at once, then each request's walk, 64 tokens a step.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from torch import nn
 
 from minisgl.core import Batch, get_global_ctx
 from minisgl.distributed import Split, get_tp_info
-from minisgl.kernels import gated_delta
+from minisgl.kernels import gated_delta, gated_delta_chunks
 from minisgl.layers.linear import Linear
 from minisgl.layers.parallel import mark_split
 from minisgl.models.families import LinearAttention
@@ -322,7 +324,7 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
         slots, offsets = batch.state_slots, batch.state_offsets
         mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
-        o = gated_delta.chunked_varlen(
-            mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape
-        ).to(qkv.dtype)
+        rule = gated_delta_chunks.chunks_varlen if pool.two_pass else gated_delta.chunked_varlen
+        o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
+        o = o.to(qkv.dtype)
         return self.norm(o, z.view_as(o))

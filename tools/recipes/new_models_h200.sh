@@ -7,7 +7,7 @@
 #
 # latency: batch-1 ms/token (32 in, 128 out) and the steps at batch 8/64/256.
 # offline: nano-vllm's workload (256 sequences, 100-1024 in and out).
-# prefill: one prompt of 32K tokens.
+# prefill: one prompt of 32K tokens, the linear layers' recurrence in one pass and in two.
 # kernels: the linear layers' torch path against our Triton kernels (tools/bench_gated_delta.py),
 #          where that tool is present.
 # GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
@@ -55,12 +55,16 @@ fi
 if [[ $STAGES == *prefill* ]]; then
   for shape in qwen3.5-0.8b; do
     [[ ,$SHAPES, == *,$shape,* ]] || continue
-    echo "== prefill $shape 32K" | log
-    timeout 300 python3 tools/bench_prefill.py --model "/root/$shape" --modes off --lengths 32768 \
-        --peak-tokens 32768 --repeat 3 --warmup 1 2>&1 | tail -8 | log
+    for rule in one-pass two-pass; do  # the linear layers' prefill recurrence, both ways
+      echo "== prefill $shape 32K, MINISGL_GATED_DELTA_PREFILL=$rule" | log
+      MINISGL_GATED_DELTA_PREFILL=$rule timeout 300 python3 tools/bench_prefill.py \
+          --model "/root/$shape" --modes off --lengths 32768 --peak-tokens 32768 --repeat 3 \
+          --warmup 1 2>&1 | tail -8 | log
+    done
   done
 fi
 if [[ $STAGES == *kernels* && -f tools/bench_gated_delta.py ]]; then
   echo "== gated delta kernels" | log
-  timeout 300 python3 tools/bench_gated_delta.py 2>&1 | tail -40 | log
+  timeout 400 python3 tools/bench_gated_delta.py --prefill 1x4096,8x512,1x32768 2>&1 \
+      | tail -48 | log
 fi
