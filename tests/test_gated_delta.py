@@ -244,10 +244,13 @@ def test_chunked_and_recurrent_kernels_agree() -> None:
 
 
 @triton_only
-def test_two_pass_kernels_equal_the_token_by_token_recurrence() -> None:
-    """kernels/gated_delta_chunks.py against the token-by-token kernel: requests of 130
-    tokens (two whole chunks of 64 and two tokens), 3, none, exactly 64 and 65, from nonzero
-    states; every chunk of the batch found by its program, the empty request's slot left."""
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
+def test_two_pass_kernels_equal_the_token_by_token_recurrence(dtype, tol) -> None:
+    """kernels/gated_delta_chunks.py against the token-by-token kernel in float32: requests
+    of 130 tokens (two whole chunks of 64 and two tokens), 3, none, exactly 64 and 65, from
+    nonzero states; every chunk of the batch found by its program, the empty request's slot
+    left. In float16, the GPU's path: scratch in float16, the walk's matmuls on float16
+    operands (the interpreter cannot multiply bf16)."""
     from minisgl.kernels import gated_delta_chunks
 
     s, lengths = SHAPE, [130, 3, 0, 64, 65]
@@ -258,11 +261,12 @@ def test_two_pass_kernels_equal_the_token_by_token_recurrence() -> None:
     A_log, dt_bias = torch.rand(s.num_value_heads, generator=gen), torch.randn(s.num_value_heads)
     offsets = torch.tensor([0, *lengths]).cumsum(0)
     out = {}
-    for kernel in (gated_delta.recurrent_varlen, gated_delta_chunks.chunks_varlen):
+    for kernel, t in ((gated_delta.recurrent_varlen, torch.float32),
+                      (gated_delta_chunks.chunks_varlen, dtype)):  # fmt: skip
         pool = make_pool()
-        o = kernel(mixed, a, b, A_log, dt_bias, pool.ssm[1], slots, offsets, s)
+        o = kernel(mixed.to(t), a.to(t), b.to(t), A_log, dt_bias, pool.ssm[1], slots, offsets, s)
         out[kernel.__name__] = o, pool.ssm
     (o1, s1), (o2, s2) = out.values()
-    assert close(o2, o1, 1e-5) and close(s2, s1, 1e-5)
+    assert close(o2, o1, tol) and close(s2, s1, tol)
     assert torch.equal(s2[1, 4], make_pool().ssm[1, 4])  # the empty request's
     assert not torch.equal(s2[1, 1], make_pool().ssm[1, 1])  # the 64 tokens' did change

@@ -13,14 +13,16 @@ decays and P the chunk's causal scores q k^T, decayed. So, in two kernels:
 
 1. `_prepare_kernel`, one program per (chunk, value head), all of them at once: the chunk's
    gates and c, the 64 x 64 lower triangular system (I + A) solved by forward substitution,
-   and per token w, u, c and its row of P, into scratch tensors of float32.
+   and per token w, u, c and its row of P, into scratch tensors (c in float32, the rest in
+   the activations' dtype: half the bytes to move on a GPU, float32 in the CPU's tests).
 2. `_walk_kernel`, one program per (request, value head, block of v), its chunks in order:
-   four matmuls a chunk with the state in registers, 64 tokens at a step.
+   four matmuls a chunk with the state in registers (in float32; float16 operands on a GPU),
+   64 tokens at a step.
 
-The scratch costs (dk + dv + 64 + 1) floats a token and value head: 168 MB for 8,192 tokens
-of Qwen3.5-0.8B's 16 heads, freed when the layer returns. Lengths and slots are read on the
-device, as in gated_delta.py: each chunk program finds its request by a binary search of the
-requests' first chunks.
+The scratch costs (dk + dv + 64) values and a float a token and value head: 85 MB for 8,192
+tokens of Qwen3.5-0.8B's 16 heads in bf16, freed when the layer returns. Lengths and slots
+are read on the device, as in gated_delta.py: each chunk program finds its request by a
+binary search of the requests' first chunks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ from minisgl.kernels.gated_delta import SEARCH
 from minisgl.models.families import LinearAttention
 
 CHUNK = 64  # tokens a chunk: the walk's steps are this long
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    """a @ b with float32 sums: exact float32 products for the CPU's tests, else float16
+    operands (the tensor cores' own type, half the registers of a float32 tile, and three
+    more bits than bf16 for the state's values, which stay far inside its range)."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a.to(tl.float16), b.to(tl.float16))
 
 
 @triton.jit
@@ -97,15 +109,15 @@ def _prepare_kernel(
         inv = tl.where(rows[:, None] == i, inv - above[None, :], inv)
     head = t[:, None].to(tl.int64) * HV + hv  # row of the scratch tensors
     w = _dot(inv, (beta * tl.exp(c))[:, None] * k, IEEE)
-    tl.store(Wt + head * DK + offs_k[None, :], w, mask=qk_mask)
+    tl.store(Wt + head * DK + offs_k[None, :], w.to(Wt.dtype.element_ty), mask=qk_mask)
     v_mask = mt[:, None] & mv[None, :]
     v = tl.load(x + 2 * KEY_DIM + hv * DV + offs_v[None, :], mask=v_mask, other=0.0)
     u = _dot(inv, beta[:, None] * v.to(tl.float32), IEEE)
-    tl.store(U + head * DV + offs_v[None, :], u, mask=v_mask)
+    tl.store(U + head * DV + offs_v[None, :], u.to(U.dtype.element_ty), mask=v_mask)
     q = tl.load(x + h * DK + offs_k[None, :], mask=qk_mask, other=0.0).to(tl.float32)
     q = _normed_rows(q) * scale
     scores = _dot(q, tl.trans(k), IEEE) * decay
-    tl.store(P + head * CHUNK + rows[None, :], scores, mask=mt[:, None])
+    tl.store(P + head * CHUNK + rows[None, :], scores.to(P.dtype.element_ty), mask=mt[:, None])
     tl.store(Cs + t.to(tl.int64) * HV + hv, c, mask=mt)
 
 
@@ -141,14 +153,14 @@ def _walk_kernel(
         c = tl.load(Cs + t.to(tl.int64) * HV + hv, mask=mt, other=0.0)
         c_last = tl.min(tl.where(mt, c, float("inf")), axis=0)  # c only falls: the last row's
         w = tl.load(Wt + head * DK + offs_k[None, :], mask=qk_mask, other=0.0)
-        u = tl.load(U + head * DV + offs_v[None, :], mask=v_mask, other=0.0)
+        u = tl.load(U + head * DV + offs_v[None, :], mask=v_mask, other=0.0).to(tl.float32)
         scores = tl.load(P + head * CHUNK + rows[None, :], mask=mt[:, None], other=0.0)
-        d = u - _dot(w, S, IEEE)  # what each token writes
+        d = u - _mm(w, S, IEEE)  # what each token writes
         q = _normed_rows(q) * scale * tl.exp(c)[:, None]
-        o = _dot(q, S, IEEE) + _dot(scores, d, IEEE)
+        o = _mm(q, S, IEEE) + _mm(scores, d, IEEE)
         tl.store(Out + t[:, None] * stride_ot + hv * stride_oh + offs_v[None, :], o, mask=v_mask)
         k = _normed_rows(k) * tl.exp(c_last - c)[:, None]
-        S = S * tl.exp(c_last) + _dot(tl.trans(k), d, IEEE)
+        S = S * tl.exp(c_last) + _mm(tl.trans(k), d, IEEE)
     tl.store(s_ptrs, S, mask=smask & (end + 0 * offs_v > start)[None, :])  # an empty one: no
 
 
@@ -173,10 +185,10 @@ def chunks_varlen(
     if reqs >= 2**SEARCH:
         raise ValueError(f"{reqs} requests in one prefill; it takes at most {2**SEARCH - 1}")
     hv, dk, dv = s.num_value_heads, s.key_head_dim, s.value_head_dim
-    f32 = dict(dtype=torch.float32, device=mixed.device)
-    w, u = torch.empty(tokens, hv, dk, **f32), torch.empty(tokens, hv, dv, **f32)
-    scores, cs = torch.empty(tokens, hv, CHUNK, **f32), torch.empty(tokens, hv, **f32)
-    out = torch.empty(tokens, hv, dv, **f32)
+    w, u = mixed.new_empty(tokens, hv, dk), mixed.new_empty(tokens, hv, dv)
+    scores = mixed.new_empty(tokens, hv, CHUNK)
+    cs = mixed.new_empty(tokens, hv, dtype=torch.float32)
+    out = mixed.new_empty(tokens, hv, dv, dtype=torch.float32)
     common = dict(
         KEY_DIM=s.num_key_heads * dk, HV=hv, DK=dk, DV=dv,
         PER_KEY=hv // s.num_key_heads, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
@@ -196,6 +208,6 @@ def chunks_varlen(
     _walk_kernel[(reqs, hv, triton.cdiv(dv, block_v))](
         mixed, w, u, scores, cs, ssm_state, slots, offsets, out, dk**-0.5,
         mixed.stride(0), ssm_state.stride(0), ssm_state.stride(1), out.stride(0), out.stride(1),
-        BLOCK_V=block_v, num_warps=4, **common,
+        BLOCK_V=block_v, num_warps=8, num_stages=2, **common,
     )  # fmt: skip
     return out
