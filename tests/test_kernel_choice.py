@@ -187,3 +187,37 @@ def test_the_table_is_measured_and_logged_on_the_gpu(caplog) -> None:
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     assert len(llm.generate([[5, 17, 300]], params, use_tqdm=False)[0]["token_ids"]) == 4
     llm.shutdown()
+
+
+def test_first_calls_overlap_and_a_failure_is_left_to_the_timing() -> None:
+    """build_first calls every run once, several at a time (the builds of a fresh machine
+    overlap), and a run that raises does not stop the others: the timing meets it again."""
+    import threading
+    import time
+
+    from minisgl.engine.kernel_choice import build_first
+
+    began: list[float] = []
+    calls: list[str] = []
+    lock = threading.Lock()
+
+    def run(name: str, fails: bool = False):
+        def call() -> None:
+            with lock:
+                began.append(time.perf_counter())
+            time.sleep(0.3)
+            with lock:
+                calls.append(name)
+            if fails:
+                raise RuntimeError("no such kernel")
+
+        return call
+
+    runs = [run("a"), run("b", fails=True), run("c"), run("d")]
+    start = time.perf_counter()
+    build_first(runs, torch.device("cpu"))
+    assert sorted(calls) == ["a", "b", "c", "d"]
+    if (os.cpu_count() or 1) >= 2:  # two threads at least: two began together
+        assert sorted(began)[1] - start < 0.3 and time.perf_counter() - start < 3 * 0.3
+    build_first([run("e")], torch.device("cpu"))  # one alone is left to the timing
+    assert "e" not in calls

@@ -91,6 +91,7 @@ SMOKE = {
         + ["--cases", "mixed,top_k_top_p,penalties"],
         "| top_k_top_p | 3 |",
     ),
+    "bench_builds.py": (["--variants", "2", "--threads", "2", "--rounds", "1"], "| 2 |"),
     "bench_gated_delta.py": (
         ["--device", "cpu", "--models", "tiny", "--decode", "2", "--prefill", "2x5"]
         + ["--rounds", "1", "--calls", "1"],

@@ -69,13 +69,17 @@ class TimesCache:
             Path(ENV.CACHE_DIR.value).expanduser() / "kernel_choice" / f"{name}.json", identity
         )
 
+    def has(self, entry: str, labels: Iterable[str]) -> bool:
+        """Whether `get` would find the times of `entry` (and count a hit)."""
+        times = self.entries.get(entry)
+        return times is not None and set(times) == set(labels)
+
     def get(self, entry: str, labels: Iterable[str]) -> dict[str, float] | None:
         """The times of `entry`, if every one of `labels` was measured; else None."""
-        times = self.entries.get(entry)
-        if times is None or set(times) != set(labels):
+        if not self.has(entry, labels):
             return None
         self.hits += 1
-        return times
+        return self.entries[entry]
 
     def put(self, entry: str, times: dict[str, float]) -> None:
         self.entries[entry] = times

@@ -28,9 +28,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,6 +64,7 @@ MARGIN = 0.95  # our kernel is chosen where it takes at most this share of the l
 L2_OVERFLOW = (
     8  # weights timed per shape: at least this many times the L2 cache, if the model has them
 )
+BUILDERS = 16  # threads that build the candidates' kernels at once
 
 
 @dataclass(frozen=True)
@@ -121,7 +124,7 @@ def choose_gemv(
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for p in engine.model.parameters():
         by_shape.setdefault((p.shape, p.dtype), []).append(p)
-    table, lines = GemvTable(), []
+    table, jobs = GemvTable(), []  # what is measured, in order; then each choice is kept
     for key, call in {c.key: c for c in calls}.items():
         weights = _enough(by_shape[call.weight.shape, call.weight.dtype], engine.device)
         name = _short(names.get(id(call.weight), "?"))
@@ -132,32 +135,74 @@ def choose_gemv(
                 if m > gemv.max_rows:  # no norm is deferred to so many rows
                     key = dataclasses.replace(key, normed=False)
                     call = dataclasses.replace(call, key=key)
-                what = f"{name} {_describe(key)} rows {m}"
                 runs = fp8_choice.choice_candidates(call, layers, m, engine.dtype, kernels)
                 shape = f"fp8 block {layers[0].fp8_block} {engine.dtype} {_describe(key)} rows {m}"
-                times = measured(cache, shape, what, runs, len(layers), timer)
-                label = pick(times)
-                table.blocks[key, m] = runs[label][0]
+                keys = [(key, m)]
                 if key.normed:  # where the norm is not deferred after all, the same choice
-                    table.blocks.setdefault(
-                        (dataclasses.replace(key, normed=False), m), runs[label][0]
-                    )
-                lines.append(f"  {what}: {_show(times)} -> {label}")
+                    keys.append((dataclasses.replace(key, normed=False), m))
+                what = f"{name} {_describe(key)} rows {m}"
+                jobs.append(Job(what, shape, runs, len(layers), keys))
             continue
         # <<< ch28
         for m in rows:
-            what = f"{name} {_describe(key)} rows {m}"
             runs = candidates(call, weights, m, kernels)
             shape = f"{call.weight.dtype} {_describe(key)} rows {m}"
-            times = measured(cache, shape, what, runs, len(weights), timer)
-            label = pick(times)
-            table.blocks[key, m] = runs[label][0]
-            lines.append(f"  {what}: {_show(times)} -> {label}")
+            what = f"{name} {_describe(key)} rows {m}"
+            jobs.append(Job(what, shape, runs, len(weights), [(key, m)]))
+    if engine.device.type == "cuda":  # (the interpreter of a CPU's tests is not threadsafe)
+        todo = [j for j in jobs if not cache.has(j.shape, j.runs)]
+        runs = [run for j in todo for blocks, run in j.runs.values() if blocks is not None]
+        build_first(runs, engine.device)
+    lines = []
+    for job in jobs:
+        times = measured(cache, job.shape, job.what, job.runs, job.count, timer)
+        label = pick(times)
+        for i, km in enumerate(job.keys):  # the first is set, the others where not yet
+            if i == 0 or km not in table.blocks:
+                table.blocks[km] = job.runs[label][0]
+        lines.append(f"  {job.what}: {_show(times)} -> {label}")
     gemv.feeds = {id(c.norm_weight): c.key for c in calls if c.norm_weight is not None}
     table.report = "\n".join(lines)
     gemv.table = table
     kernels.install(engine.model)
     return table
+
+
+@dataclass
+class Job:
+    """One measurement of the choice: the candidates for one shape and row count, and the
+    table's keys that take the winner."""
+
+    what: str  # for the log
+    shape: str  # the times cache's entry
+    runs: dict[str, tuple[Blocks | None, Callable[[], object]]]
+    count: int  # calls each run makes
+    keys: list[tuple[GemvKey, int]]
+
+
+def build_first(runs: list[Callable[[], object]], device: torch.device) -> None:
+    """Call each GEMV candidate once, several threads at a time. On a fresh machine its first
+    call builds its Triton kernel, about half a second, most of it in LLVM and ptxas, which
+    let other threads run; so the builds overlap, and the timing after them finds every
+    kernel built. (Shapes whose times are kept on disk are not run at all, and where Triton
+    kept the kernels a first call loads them in milliseconds.) The matmul library's runs
+    stay out: each thread would get a cuBLAS workspace of its own, memory the KV pool has
+    already been sized without. A run that fails is left to the timing, which calls it again
+    and raises."""
+    if len(runs) < 2:
+        return
+    cuda = device.type == "cuda"
+    threads = min(BUILDERS, len(runs), os.cpu_count() or 1)
+    on_device = torch.cuda.set_device if cuda else lambda _: None  # the engine's GPU, each
+    here = torch.cuda.current_device() if cuda else 0  # (`device` may not name its index)
+    with ThreadPoolExecutor(threads, initializer=on_device, initargs=(here,)) as pool:
+        for done in [pool.submit(run) for run in runs]:
+            try:
+                done.result()
+            except Exception as e:  # noqa: BLE001 - the timing raises it where it matters
+                logger.debug("a candidate's first call failed: %r", e)
+    if cuda:
+        torch.cuda.synchronize(device)
 
 
 def measured(
