@@ -66,6 +66,8 @@ class _Env:
         # where measurements are kept between starts (engine/kernel_cache.py); empty: nowhere
         cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
         self.CACHE_DIR = EnvVar.read("CACHE_DIR", os.path.join(cache_home, "minisgl"))
+        # threads that build the kernel choice's candidates at once (1: one after another)
+        self.BUILD_THREADS = EnvVar.read("BUILD_THREADS", 16)
         # <<< ch20
         # >>> ch31 the Gated DeltaNet layers' kernels: torch (the reference), triton (ours),
         # auto: ours on CUDA (measured faster there: docs/benchmarks.md), torch elsewhere

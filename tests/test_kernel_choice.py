@@ -221,3 +221,9 @@ def test_first_calls_overlap_and_a_failure_is_left_to_the_timing() -> None:
         assert sorted(began)[1] - start < 0.3 and time.perf_counter() - start < 3 * 0.3
     build_first([run("e")], torch.device("cpu"))  # one alone is left to the timing
     assert "e" not in calls
+    ENV.BUILD_THREADS.value, kept = 1, ENV.BUILD_THREADS.value  # MINISGL_BUILD_THREADS=1: none
+    try:
+        build_first([run("f"), run("g")], torch.device("cpu"))
+    finally:
+        ENV.BUILD_THREADS.value = kept
+    assert not {"f", "g"} & set(calls)

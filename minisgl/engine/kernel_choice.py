@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minisgl.engine.kernel_cache import TimesCache
+from minisgl.env import ENV
 from minisgl.layers.activation import silu_and_mul
 from minisgl.layers.kernel_plan import KernelPlan
 from minisgl.layers.norm import RMSNorm
@@ -64,7 +65,6 @@ MARGIN = 0.95  # our kernel is chosen where it takes at most this share of the l
 L2_OVERFLOW = (
     8  # weights timed per shape: at least this many times the L2 cache, if the model has them
 )
-BUILDERS = 16  # threads that build the candidates' kernels at once
 
 
 @dataclass(frozen=True)
@@ -189,10 +189,10 @@ def build_first(runs: list[Callable[[], object]], device: torch.device) -> None:
     stay out: each thread would get a cuBLAS workspace of its own, memory the KV pool has
     already been sized without. A run that fails is left to the timing, which calls it again
     and raises."""
-    if len(runs) < 2:
+    threads = min(ENV.BUILD_THREADS.value, len(runs), os.cpu_count() or 1)
+    if threads < 2:
         return
     cuda = device.type == "cuda"
-    threads = min(BUILDERS, len(runs), os.cpu_count() or 1)
     on_device = torch.cuda.set_device if cuda else lambda _: None  # the engine's GPU, each
     here = torch.cuda.current_device() if cuda else 0  # (`device` may not name its index)
     with ThreadPoolExecutor(threads, initializer=on_device, initargs=(here,)) as pool:
