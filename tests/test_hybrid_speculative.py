@@ -11,6 +11,7 @@ answers, batched. Without the roll back the same run gives other tokens, so the 
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from test_speculative import oracle_drafter
 
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig, check_model_files
+from minisgl.env import ENV
 from minisgl.kvcache.state_pool import RecurrentStatePool
 from minisgl.llm import LLM
 from minisgl.speculative.ngram import NgramDrafter
@@ -96,6 +98,30 @@ def test_suffix_drafts_from_earlier_answers_give_the_plain_tokens(model, plain) 
     llm.shutdown()
     assert spec.num_accepted > 0  # the second round's drafts were taken
     assert rounds == [plain, plain]
+
+
+triton_only = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+
+
+@triton_only
+@pytest.mark.parametrize("roll_back", [True, False])
+def test_our_kernels_verify_on_copies_and_roll_back(model, plain, monkeypatch, roll_back):
+    """With our Triton kernels (in the interpreter on a CPU) a verify runs the linear layers
+    on copies of the states, and the roll back replays each request's accepted tokens into
+    its slot: partly wrong drafts give the plain tokens, and without the roll back (the
+    slots left as they were before the verify) other tokens."""
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
+    monkeypatch.setattr(NgramDrafter, "propose", oracle(plain))
+    if not roll_back:
+        monkeypatch.setattr(RecurrentStatePool, "keep_accepted", lambda self, batch, acc: None)
+    got, llm = generate(model, speculative="ngram", **SPEC)
+    spec, kernels = llm.scheduler.spec, llm.engine.state_pool.kernels
+    llm.shutdown()
+    assert kernels == "triton" and 0 < spec.num_accepted < spec.num_drafted
+    assert (got == plain) == roll_back
 
 
 def test_a_hybrid_draft_model_is_refused(model) -> None:

@@ -103,8 +103,8 @@ def graph_blocker(model_config: ModelConfig, device_type: str) -> str | None:
 
 
 def verify_graph_blocker(model_config: ModelConfig) -> str | None:
-    """Why verify graphs are off (None: they may run): a hybrid's verify keeps every
-    position's state for the roll back, on the torch path, whose padding is read on the host."""
+    """Why verify graphs are off (None: they may run): each forward of a hybrid's verify
+    leaves its roll back with the state pool, in Python, which a graph's replay would skip."""
     if model_config.linear is None:
         return None
-    return "a hybrid's verify step keeps each position's state on the torch path"
+    return "a hybrid's verify step leaves its roll back with the state pool at each forward"

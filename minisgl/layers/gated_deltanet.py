@@ -224,7 +224,7 @@ class GatedDeltaNet(nn.Module):
         else:
             qkv, z = self.in_proj_qkv(x), self.in_proj_z(x)
             b, a = self.in_proj_b(x), self.in_proj_a(x)
-        if pool.kernels == "triton" and batch.phase != "verify":
+        if pool.kernels == "triton":
             out = self._kernels(qkv, z, b, a, batch, pool)
         else:
             out = self._reference(qkv, z, b, a, batch, pool)
@@ -323,8 +323,43 @@ class GatedDeltaNet(nn.Module):
                 self.norm.eps, conv, ssm, batch.state_slots, self.shape,
             )  # fmt: skip
         slots, offsets = batch.state_slots, batch.state_offsets
-        mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
         rule = gated_delta_chunks.chunks_varlen if pool.two_pass else gated_delta.chunked_varlen
-        o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
+        if batch.phase == "verify":  # on copies: the slots keep the state before it
+            conv_before, work = conv[slots], ssm[slots]
+            rows = torch.arange(slots.size(0), device=slots.device)
+            mixed = gated_delta.conv_varlen(qkv, weight, conv_before.clone(), rows, offsets)
+            o = rule(mixed, a, b, self.A_log, self.dt_bias, work, rows, offsets, self.shape)
+            n = batch.size
+            pool.kept[self.index] = lambda accepted: self._roll_back_kernels(
+                pool, slots[:n], offsets[: n + 1], qkv, mixed, a, b, conv_before, accepted, rule
+            )
+        else:
+            mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
+            o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
         o = o.to(qkv.dtype)
         return self.norm(o, z.view_as(o))
+
+    def _roll_back_kernels(
+        self, pool: RecurrentStatePool, slots: torch.Tensor, offsets: torch.Tensor,
+        qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+        conv_before: torch.Tensor, accepted: torch.Tensor, rule,
+    ) -> None:  # fmt: skip
+        """`_roll_back` in our kernels, after a verify that ran on copies of the states: each
+        slot runs the rule again over its request's tokens from the state before the verify,
+        with the tokens after its `accepted` drafts masked out (a = b = -inf: a decay of 1
+        and a write strength of 0 leave the state as it was), and its conv state becomes its
+        last K - 1 inputs up to its last accepted token. On the device, without a wait."""
+        tokens, width = qkv.size(0), pool.conv.size(-1)  # K - 1
+        t = torch.arange(tokens, device=qkv.device)
+        req = torch.searchsorted(offsets[1:], t, right=True).clamp(max=slots.size(0) - 1)
+        keep = (t - offsets[req] <= accepted[req])[:, None]  # [T, 1]: the token was accepted
+        a_kept, b_kept = (x.masked_fill(~keep, float("-inf")) for x in (a, b))
+        ssm = pool.ssm[self.index]
+        rule(mixed, a_kept, b_kept, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
+        # the conv state: entries accepted + 1 .. accepted + K - 1 of (state before, inputs)
+        at = accepted[:, None] + 1 + torch.arange(width, device=qkv.device)  # [B, K - 1]
+        token = (offsets[:-1, None] + at - width).clamp(0, tokens - 1)
+        inputs = qkv[token].transpose(1, 2)  # [B, conv_dim, K - 1]
+        before = conv_before.gather(2, at.clamp(max=width - 1)[:, None, :].expand_as(inputs))
+        window = torch.where((at >= width)[:, None, :], inputs.to(before.dtype), before)
+        pool.conv[self.index][slots] = window
