@@ -115,6 +115,26 @@ RECORDED: list[tuple[str, str, tuple[str, list[ToolCall]] | None]] = [
         "The weather in Paris is described as a mix of warm and cool.",
         None,
     ),
+    (  # Qwen3.5 and Qwen3-Coder, as their templates teach: XML blocks, values as text (no
+        # schema here: strings)
+        "qwen3.5-xml-two-calls",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=get_time>\n<parameter=zone>\nCET\n</parameter>\n</function>\n"
+        "</tool_call>",
+        (
+            "",
+            [
+                ToolCall("get_weather", '{"city": "Paris", "days": "3"}'),
+                ToolCall("get_time", '{"zone": "CET"}'),
+            ],
+        ),
+    ),
+    (  # text before the call; the text ends after a closed parameter: the call closes there
+        "xml-text-then-unclosed",
+        "Let me look.\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n",
+        ("Let me look.\n", [ToolCall("get_time", '{"zone": "UTC"}')]),
+    ),
     ("json-but-no-call", '{"city": "Paris"}', None),
     ("arguments-not-an-object", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', None),
 ]
@@ -123,6 +143,71 @@ RECORDED: list[tuple[str, str, tuple[str, list[ToolCall]] | None]] = [
 @pytest.mark.parametrize("text,expected", [r[1:] for r in RECORDED], ids=[r[0] for r in RECORDED])
 def test_parsers_on_recorded_outputs(text, expected):
     assert find_calls(text) == expected
+
+
+XML_WEATHER = {  # the parameters' schema, as a request's tools give it
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "metric": {"type": "boolean"},
+        "ratio": {"type": ["number", "null"]},
+        "where": {"type": "object"},
+        "tags": {"type": "array"},
+        "zip": {"type": "string"},
+    },
+}
+
+
+def test_xml_values_are_read_as_their_schema_types():
+    """Qwen3.5's values are text: each is read as its parameter's type, and stays a string
+    where the schema says so (a zip code of digits) or where it does not parse."""
+    text = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José\nCA\n</parameter>\n"
+        "<parameter=days>\n 3 \n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n"
+        "<parameter=ratio>\nnull\n</parameter>\n<parameter=where>\n"
+        '{"lat": 1.5}\n</parameter>\n<parameter=tags>\n[1, "a"]\n</parameter>\n'
+        "<parameter=zip>\n02139\n</parameter>\n<parameter=extra>\n7\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    content, calls = find_calls(text, {"get_weather": XML_WEATHER})
+    assert content == "" and [c.name for c in calls] == ["get_weather"]
+    assert json.loads(calls[0].arguments) == {
+        "city": "San José\nCA",  # a value of two lines
+        "days": 3,
+        "metric": True,
+        "ratio": None,
+        "where": {"lat": 1.5},
+        "tags": [1, "a"],
+        "zip": "02139",
+        "extra": "7",  # not in the schema: a string
+    }
+    bad = text.replace("\n 3 \n", "\nthree\n")  # not an integer: the text as it is
+    found = find_calls(bad, {"get_weather": XML_WEATHER})
+    assert found is not None and json.loads(found[1][0].arguments)["days"] == "three"
+
+
+def test_an_xml_call_streams_a_parameter_at_a_time():
+    """Its name goes out once read, then the arguments' JSON grows as each parameter closes;
+    the pieces add up to the whole answer's arguments."""
+    out = ToolOutput("text", schemas={"get_weather": XML_WEATHER})
+    pieces = ["Checking", ".\n<tool", "_call>\n<function=get_", "weather>\n<parameter=ci",
+              "ty>\nParis\n</param", "eter>\n<parameter=days>\n2", "\n</parameter>\n</fun",
+              "ction>\n</tool_call>"]  # fmt: skip
+    sent = []
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        body = {"index": 0, "delta": {"content": piece}, "finish_reason": "stop" if last else None}
+        out.delta(0, body)
+        sent.append(body)
+    assert "".join(b["delta"]["content"] or "" for b in sent) == "Checking.\n"
+    deltas = [c for b in sent for c in b["delta"].get("tool_calls", [])]
+    assert deltas[0]["function"]["name"] == "get_weather" and deltas[0]["id"].startswith("call_")
+    grown = [d["function"]["arguments"] for d in deltas]
+    assert grown == ["{", '"city": "Paris"', ', "days": 2', "}"]
+    assert sent[-1]["finish_reason"] == "tool_calls"
+    whole = ToolOutput("text", schemas={"get_weather": XML_WEATHER}).split("".join(pieces))
+    assert whole is not None and whole[1][0].arguments == "".join(grown)
 
 
 def test_a_stream_holds_back_what_may_be_a_call():

@@ -1,8 +1,10 @@
 """Tool calls in a model's text: one parser per format the models are trained to write.
 
 Models write a call in the form their chat template taught them: Hermes, Qwen 2.5 and Qwen 3
-wrap a JSON object in `<tool_call>...</tool_call>`; Llama 3.1-3.3 answer with the bare JSON
-object (after `<|python_tag|>`, a special token that detokenizing drops). A parser scans a
+wrap a JSON object in `<tool_call>...</tool_call>`; Qwen3.5 and Qwen3-Coder write the same
+block with `<function=NAME>` and one `<parameter=KEY>` per argument inside, values as text;
+Llama 3.1-3.3 answer with the bare JSON object (after `<|python_tag|>`, a special token
+that detokenizing drops). A parser scans a
 text for the calls in it, whole or as it streams in: where the content before the calls
 ends, and the calls so far. As a stream's text grows, what a scan returns only grows with
 it, so a stream can send the content, each call's name and its arguments piece by piece.
@@ -116,14 +118,18 @@ def is_object(arguments: str) -> bool:
         return False
 
 
+Schemas = dict[str, dict[str, Any]]  # a request's functions' parameter schemas, by name
+
+
 class ToolParser:
-    def scan(self, text: str, final: bool) -> Scan:
-        """The content's end and the calls so far; `final`: the text is whole."""
+    def scan(self, text: str, final: bool, schemas: Schemas | None = None) -> Scan:
+        """The content's end and the calls so far; `final`: the text is whole. `schemas`:
+        for a form whose arguments are text, the types to read them as."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> tuple[str, list[ToolCall]] | None:
+    def parse(self, text: str, schemas: Schemas | None = None) -> tuple[str, list[ToolCall]] | None:
         """The text before the calls and the calls; None if the text holds no call."""
-        end, calls = self.scan(text, final=True)
+        end, calls = self.scan(text, final=True, schemas=schemas)
         if not calls or not all(is_object(c.arguments) for c in calls if c.done):
             return None
         return text[:end], calls
@@ -134,7 +140,7 @@ class HermesParser(ToolParser):
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, schemas: Schemas | None = None) -> Scan:
         start = text.find(self.OPEN)
         if start < 0:
             return (len(text) if final else self.held(text)), []
@@ -173,7 +179,7 @@ class Llama3JsonParser(ToolParser):
     TAG = "<|python_tag|>"
     APART = re.compile(r"\s*\}?\s*;?\s*")
 
-    def scan(self, text: str, final: bool) -> Scan:
+    def scan(self, text: str, final: bool, schemas: Schemas | None = None) -> Scan:
         head = text.lstrip()
         rest = head.removeprefix(self.TAG).lstrip()
         if not rest.startswith("{"):
@@ -211,21 +217,102 @@ class Llama3JsonParser(ToolParser):
         return calls
 
 
-PARSERS: dict[str, ToolParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
+class XmlCallParser(HermesParser):
+    """Qwen3.5's and Qwen3-Coder's form: in a `<tool_call>` block, `<function=NAME>`, then
+    each argument as `<parameter=KEY>`, its value as plain text, `</parameter>`, and
+    `</function>`. The values carry no types, so each is read as its parameter's schema
+    says (a number, a boolean, an object or array as JSON) and is a string otherwise, as a
+    parameter the schema does not know is. The arguments' JSON text grows a parameter at a
+    time, as each closes: what a stream has sent never changes."""
+
+    FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+    PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>")
+    END = re.compile(r"\s*</function>(\s*</tool_call>)?")
+
+    def scan(self, text: str, final: bool, schemas: Schemas | None = None) -> Scan:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return (len(text) if final else self.held(text)), []
+        calls: list[ToolCall] = []
+        pos = start
+        while (block := text.find(self.OPEN, pos)) >= 0:
+            head = self.FUNCTION.match(text, block + len(self.OPEN))
+            if head is None:  # not a call in this form (or not yet)
+                break
+            name = head.group(1).strip()
+            params = ((schemas or {}).get(name) or {}).get("properties") or {}
+            call, pos = self.read_arguments(text, head.end(), name, params, final)
+            calls.append(call)
+            if not call.done:
+                break
+        return (len(text) if final and not calls else start), calls
+
+    def read_arguments(
+        self, text: str, pos: int, name: str, params: dict[str, Any], final: bool
+    ) -> tuple[ToolCall, int]:
+        """The call's arguments from `pos` on, as far as they have come, and where they end
+        (a whole text that stops after a closed parameter closes the call there)."""
+        fields = []
+        while (head := self.PARAMETER.match(text, pos)) is not None:
+            close = text.find("</parameter>", head.end())
+            if close < 0:  # the value is still being written
+                return ToolCall(name, "{" + ", ".join(fields), False), len(text)
+            key = head.group(1).strip()
+            value = text[head.end() : close].removeprefix("\n").removesuffix("\n")
+            fields.append(f"{json.dumps(key, ensure_ascii=False)}: {typed(value, params.get(key))}")
+            pos = close + len("</parameter>")
+        end = self.END.match(text, pos)
+        if end is None and not (final and not text[pos:].strip()):
+            return ToolCall(name, "{" + ", ".join(fields), False), len(text)
+        return ToolCall(name, "{" + ", ".join(fields) + "}"), end.end() if end else len(text)
 
 
-def find_calls(text: str) -> tuple[str, list[ToolCall]] | None:
+def typed(value: str, schema: dict[str, Any] | None) -> str:
+    """A parameter's text value as JSON text of the type its schema gives (a string where it
+    gives none, or the text is not of that type)."""
+    kinds = (schema or {}).get("type", "string")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    if "null" in kinds and value.strip() == "null":
+        return "null"
+    kind = next((k for k in kinds if k != "null"), "string")
+    text = value.strip()
+    try:
+        if kind == "integer":
+            return json.dumps(int(text))
+        if kind == "number":
+            number = float(text)
+            return json.dumps(int(number) if number.is_integer() and "." not in text else number)
+        if kind == "boolean" and text.lower() in ("true", "false"):
+            return text.lower()
+        if kind in ("object", "array"):
+            decoded = json.loads(text)
+            if isinstance(decoded, dict if kind == "object" else list):
+                return json.dumps(decoded, ensure_ascii=False)
+    except (ValueError, OverflowError):
+        pass
+    return json.dumps(value, ensure_ascii=False)
+
+
+# The XML form before Hermes: both open with <tool_call>, and Hermes reads no call in it.
+PARSERS: dict[str, ToolParser] = {
+    "xml": XmlCallParser(),
+    "hermes": HermesParser(),
+    "llama3_json": Llama3JsonParser(),
+}
+
+
+def find_calls(text: str, schemas: Schemas | None = None) -> tuple[str, list[ToolCall]] | None:
     """The first registered format that finds calls in the text: its content and calls."""
     for parser in PARSERS.values():
-        if (found := parser.parse(text)) is not None:
+        if (found := parser.parse(text, schemas)) is not None:
             return found
     return None
 
 
-def scan_any(text: str, final: bool) -> tuple[str | None, Scan]:
+def scan_any(text: str, final: bool, schemas: Schemas | None = None) -> tuple[str | None, Scan]:
     """A stream's scan before it knows the format: the first parser that sees a call (the
     stream keeps to it), or none and how much of the text is content in every format."""
-    scans = {name: parser.scan(text, final) for name, parser in PARSERS.items()}
+    scans = {name: parser.scan(text, final, schemas) for name, parser in PARSERS.items()}
     for name, (end, calls) in scans.items():
         if calls:
             return name, (end, calls)

@@ -27,6 +27,7 @@ from minisgl.server.response_format import ResponseFormat, format_schema
 from minisgl.server.tool_parsers import (
     PARSERS,
     Scan,
+    Schemas,
     ToolCall,
     is_object,
     json_end,
@@ -170,7 +171,8 @@ def tool_output(
         return ToolOutput("named", parallel, choice.function.name)
     if choice == "required":
         return ToolOutput("calls", parallel)
-    return ToolOutput("calls_or_json" if formatted else "text", parallel)
+    schemas = {t.function.name: t.function.parameters for t in tools or []}
+    return ToolOutput("calls_or_json" if formatted else "text", parallel, schemas=schemas)
 
 
 @dataclass
@@ -209,8 +211,15 @@ class ToolOutput:
     arguments of that function, alone), "calls" (a JSON array of calls), "calls_or_json"
     (that array or a JSON document of the response format)."""
 
-    def __init__(self, form: Form, parallel: bool = True, name: str | None = None) -> None:
+    def __init__(
+        self,
+        form: Form,
+        parallel: bool = True,
+        name: str | None = None,
+        schemas: Schemas | None = None,
+    ) -> None:
         self.form, self.parallel, self.name = form, parallel, name
+        self.schemas = schemas or {}  # each function's parameters: how to read text values
         self.streams: dict[int, Streamed] = {}  # by choice index
 
     def scan(self, text: str, final: bool, sent: Streamed) -> Scan:
@@ -221,9 +230,9 @@ class ToolOutput:
         if self.form != "text":
             return scan_call_array(text, final)
         if sent.parser is None:
-            sent.parser, found = scan_any(text, final)
+            sent.parser, found = scan_any(text, final, self.schemas)
             return found
-        return PARSERS[sent.parser].scan(text, final)
+        return PARSERS[sent.parser].scan(text, final, self.schemas)
 
     def split(self, text: str) -> tuple[str, list[ToolCall]] | None:
         """A whole answer's content (the text before the calls) and calls; None: no call."""
