@@ -514,3 +514,69 @@ def test_a_list_with_logprobs_and_echo_scores_each_prompt(server):
         assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
         lp, ref = got["logprobs"]["token_logprobs"][1:], want["logprobs"]["token_logprobs"][1:]
         assert max(abs(a - b) for a, b in zip(lp, ref)) < 1e-4
+
+
+# ---- a thinking model's reasoning, apart ----------------------------------------------------
+
+# ChatML whose generation prompt opens a think block, as Qwen3.5's does, unless the request
+# says `enable_thinking: false` (Qwen3.5's then writes an empty block, after which SmolLM2
+# ends at once; here the block is left to the model, which never opens one).
+THINK_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if not (enable_thinking is defined and enable_thinking is false) %}<think>\n{% endif %}"
+    "{%- endif %}{# </think> closes it #}"
+)
+
+
+def test_reasoning_splits_alike_whole_and_streamed():
+    """Qwen3's form (the model opens the block) and Qwen3.5's (the prompt did), tags cut
+    between pieces, an answer without a block, and one cut short inside it."""
+    from minisgl.server.reasoning import Reasoning
+
+    cases = [
+        (False, ["<thi", "nk>\nLet me", " think.</th", "ink>\n\n", "Paris", "."],
+         ("Let me think.", "Paris.")),
+        (True, ["Let me", " think.\n</th", "ink>", "\n\nParis."], ("Let me think.\n", "Paris.")),
+        (False, ["Paris", " is."], ("", "Paris is.")),
+        (False, ["<", "b>bold"], ("", "<b>bold")),
+        (True, ["cut short </thi"], ("cut short </thi", "")),
+    ]  # fmt: skip
+    for opened, pieces, want in cases:
+        split = Reasoning(opened)
+        got = [split.stream(0, p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == want, pieces
+        assert Reasoning(opened).whole("".join(pieces)) == want
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory) -> Iterator[openai.OpenAI]:
+    """SmolLM2's weights with a chat template that writes think blocks."""
+    folder = tmp_path_factory.mktemp("think_model")
+    for f in SMOL.iterdir():
+        if f.name != "tokenizer_config.json":
+            (folder / f.name).symlink_to(f.resolve())
+    config = json.loads((SMOL / "tokenizer_config.json").read_text())
+    config = {**config, "chat_template": THINK_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    args = (*TOOLS_CPU, "--served-model-name", "m")
+    with serving(tmp_path_factory.mktemp("think"), *args, model=folder) as srv:
+        yield openai.OpenAI(base_url=srv.base + "/v1", api_key="none", timeout=300, max_retries=0)
+
+
+def test_a_thinking_answer_has_its_reasoning_apart(thinking):
+    """The template opened a think block and the 135M model never closes it: its whole
+    answer is reasoning, whole or streamed alike; with `enable_thinking: false` in
+    `chat_template_kwargs` the prompt opens none and the answer is content."""
+    ask = {"model": "m", "messages": ASK, "temperature": 0, "max_tokens": 12}
+    whole = thinking.chat.completions.create(**ask).choices[0].message
+    reasoning = whole.model_extra.get("reasoning_content")
+    assert reasoning and whole.content == ""
+    pieces = [c.choices[0].delta for c in thinking.chat.completions.create(**ask, stream=True)]
+    streamed = "".join(d.model_extra.get("reasoning_content") or "" for d in pieces)
+    assert streamed == reasoning and not "".join(d.content or "" for d in pieces)
+    off = {**ask, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+    plain = thinking.chat.completions.create(**off).choices[0].message
+    assert plain.content and plain.model_extra.get("reasoning_content") is None
+    with pytest.raises(openai.BadRequestError, match="set by the server"):
+        thinking.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"tools": []}})

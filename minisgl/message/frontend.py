@@ -30,6 +30,9 @@ class AcceptedMsg:
 
     uid: int
     prompt_tokens: int
+    # a chat answer's reasoning: "open" (its prompt opened a think block), "may" (the
+    # template knows one; the answer may open it), None (answers stay as they are)  # [ch25]
+    thinking: str | None = None  # [ch25]
 
 
 @dataclass

@@ -29,6 +29,7 @@ from minisgl.server.protocol import (
     CompletionRequest,
     check_model,
 )
+from minisgl.server.reasoning import Reasoning  # [ch25]
 from minisgl.server.responses import ResponseShape
 from minisgl.server.responses_api import add_responses_route  # [ch25]
 from minisgl.server.streaming import stream
@@ -182,6 +183,9 @@ def create_app(
             c.full.hidden = body.max_tokens == 0  # [ch25]
         shape = ResponseShape(chat, model_name, body.logprobs)
         shape.tools = body.tool_output() if chat else None  # [ch25]
+        thinking = {frontend.thinking.get(m.uid) for m in msgs} - {None}  # [ch25]
+        if chat and thinking:  # the template writes think blocks  # [ch25]
+            shape.reasoning = Reasoning(opened=thinking == {"open"})  # [ch25]
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream(frontend, queue, choices, shape, prompt_tokens, usage)

@@ -71,6 +71,7 @@ class Frontend:
         self.failed = False  # every request was ended (`fail`): the workers may be gone
         self.heard = time.monotonic()  # the workers' last word, or the first request since
         self.dashboard: DashboardSnapshot | None = None  # the live page's latest  # [ch30]
+        self.thinking: dict[int, str] = {}  # by uid: AcceptedMsg.thinking, where set  # [ch25]
 
     async def receive_forever(self) -> None:
         while True:
@@ -123,6 +124,8 @@ class Frontend:
                     prompt_tokens += reply.prompt_tokens
                     self._tokens[reply.uid] = reply.prompt_tokens
                     self.tokens_held += reply.prompt_tokens
+                    if reply.thinking is not None:  # [ch25]
+                        self.thinking[reply.uid] = reply.thinking  # [ch25]
                 elif isinstance(reply, RejectedMsg):
                     refusal = reply
                 else:  # a choice already accepted may produce tokens before the others are
@@ -203,6 +206,7 @@ class Frontend:
         for uid in uids:
             self.queues.pop(uid, None)
             self.tokens_held -= self._tokens.pop(uid, 0)
+            self.thinking.pop(uid, None)  # [ch25]
             if abort and not self.failed:
                 self.to_tokenizer.send_nowait(AbortMsg(uid))
 

@@ -250,6 +250,13 @@ class ChatCompletionRequest(_Common):
     functions: Any = None  # the deprecated spelling of tools
     function_call: Any = None
     parallel_tool_calls: bool = True  # [ch25]
+    # more variables for the chat template, e.g. {"enable_thinking": false}  # [ch25]
+    chat_template_kwargs: dict[str, Any] | None = None  # [ch25]
+
+    @field_validator("chat_template_kwargs")  # [ch25]
+    @classmethod  # [ch25]
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:  # [ch25]
+        return check_template_kwargs(v)  # [ch25]
 
     @field_validator("tools", mode="before")  # [ch25]
     @classmethod  # [ch25]
@@ -298,6 +305,24 @@ class ChatCompletionRequest(_Common):
 
     def template_vars(self) -> dict[str, Any]:
         tools = calling.template_tools(self.tools, self.tool_choice)
-        return {} if tools is None else {"tools": tools}
+        return {**(self.chat_template_kwargs or {}), **({} if tools is None else {"tools": tools})}
 
     # <<< ch25
+
+
+# >>> ch25 the chat template's own variables
+# What the server itself gives the template: a request may not set these.
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`chat_template_kwargs`: names a template can read, none of those the server sets."""
+    for name in v or {}:
+        if not name.isidentifier():
+            raise ValueError(f"{name!r} is not a name a chat template can read")
+        if name in TEMPLATE_OWN:
+            raise ValueError(f"{name!r} is set by the server; send it in its own field")
+    return v
+
+
+# <<< ch25

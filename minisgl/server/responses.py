@@ -9,6 +9,7 @@ from typing import Any
 
 from minisgl.server.frontend import Choice
 from minisgl.server.logprobs import add_chat_details, add_echo, completion_details  # [ch25]
+from minisgl.server.reasoning import Reasoning  # [ch25]
 from minisgl.server.tools import ToolOutput  # [ch25]
 
 
@@ -23,6 +24,7 @@ class ResponseShape:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.tools: ToolOutput | None = None  # where the answer may hold tool calls  # [ch25]
+        self.reasoning: Reasoning | None = None  # a thinking model's, apart  # [ch25]
 
     def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, int]:
         completion = sum(c.tokens for c in choices)
@@ -65,6 +67,9 @@ class ResponseShape:
             }
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
+                if self.reasoning is not None:  # [ch25]
+                    thought, body["message"]["content"] = self.reasoning.whole(text)  # [ch25]
+                    body["message"]["reasoning_content"] = thought or None  # [ch25]
                 if self.tools is not None:  # [ch25]
                     self.tools.whole(body)  # [ch25]
             else:
@@ -85,7 +90,13 @@ class ResponseShape:
 
     def delta_choice(self, c: Choice, text: str, logprobs: list[float]) -> dict[str, Any]:
         if self.chat:
-            body = self.chunk_choice(c.index, {"content": text}, c.finish_reason)
+            delta: dict[str, Any] = {"content": text}
+            if self.reasoning is not None:  # [ch25]
+                final = c.finish_reason is not None  # [ch25]
+                thought, delta["content"] = self.reasoning.stream(c.index, text, final)  # [ch25]
+                if thought:  # [ch25]
+                    delta["reasoning_content"] = thought  # [ch25]
+            body = self.chunk_choice(c.index, delta, c.finish_reason)
             if self.tools is not None:  # [ch25]
                 self.tools.delta(c.index, body)  # [ch25]
         else:

@@ -91,7 +91,8 @@ class TokenizerWorker:
             self.tokenizer, ids, msg.stop, msg.skip_special_tokens
         )
         self.logprob_texts.accept(msg, ids)  # [ch25]
-        self.to_api.send(AcceptedMsg(msg.uid, len(ids)))
+        thinking = thinking_of(self.tokenizer, msg, ids)  # [ch25]
+        self.to_api.send(AcceptedMsg(msg.uid, len(ids), thinking))
         self.to_scheduler.send(UserMsg(msg.uid, ids, msg.sampling_params))
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
@@ -159,3 +160,17 @@ def run_tokenizer_worker(model_path: str, ipc_dir: str, log_level: str) -> None:
     ready = Writer(zmq.Context.instance(), address(ipc_dir, "ready"))
     ready.send(ReadyMsg("tokenizer"))
     worker.run()
+
+
+# >>> ch25 a thinking model's reasoning, apart from its answer (server/reasoning.py)
+def thinking_of(tokenizer: Tokenizer, msg: TokenizeMsg, ids: list[int]) -> str | None:
+    """For a chat whose template writes think blocks: "open" where the prompt ends inside
+    one (the answer starts with reasoning), else "may"; None otherwise."""
+    template = tokenizer.chat_template or ""
+    if msg.messages is None or "</think>" not in template:
+        return None
+    tail = tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip()
+    return "open" if tail.endswith("<think>") else "may"
+
+
+# <<< ch25
