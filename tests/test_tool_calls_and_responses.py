@@ -135,6 +135,24 @@ RECORDED: list[tuple[str, str, tuple[str, list[ToolCall]] | None]] = [
         "Let me look.\n<tool_call>\n<function=get_time>\n<parameter=zone>\nUTC\n</parameter>\n",
         ("Let me look.\n", [ToolCall("get_time", '{"zone": "UTC"}')]),
     ),
+    (  # Gemma 4, as its template teaches: bare keys, <|"|> quote marks, calls back to back
+        "gemma4-two-calls",
+        'Sure.<|tool_call>call:get_weather{city:<|"|>Paris, "FR"<|"|>,days:3,'
+        'opts:{metric:true,tags:[<|"|>a<|"|>,2],none:null}}<tool_call|>'
+        '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|>',
+        (
+            "Sure.",
+            [
+                ToolCall(
+                    "get_weather",
+                    '{"city": "Paris, \\"FR\\"", "days": 3, '
+                    '"opts": {"metric": true, "tags": ["a", 2], "none": null}}',
+                ),
+                ToolCall("get_time", '{"zone": "CET"}'),
+            ],
+        ),
+    ),
+    ("gemma4-not-a-value", "<|tool_call>call:f{a:<b}<tool_call|>", None),
     ("json-but-no-call", '{"city": "Paris"}', None),
     ("arguments-not-an-object", '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', None),
 ]
@@ -208,6 +226,64 @@ def test_an_xml_call_streams_a_parameter_at_a_time():
     assert sent[-1]["finish_reason"] == "tool_calls"
     whole = ToolOutput("text", schemas={"get_weather": XML_WEATHER}).split("".join(pieces))
     assert whole is not None and whole[1][0].arguments == "".join(grown)
+
+
+def test_a_gemma4_call_streams_alike_however_the_text_is_cut():
+    """Its name goes out once read, its arguments when its braces close; cut into pieces of
+    1 to 7 characters (tags and quote marks split), the stream sends the same."""
+    text = RECORDED[[r[0] for r in RECORDED].index("gemma4-two-calls")][1]
+    want = find_calls(text)
+    assert want is not None
+    for size in (1, 3, 7):
+        out, sent = ToolOutput("text"), []
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            body = {
+                "index": 0,
+                "delta": {"content": piece},
+                "finish_reason": "stop" if last else None,
+            }
+            out.delta(0, body)
+            sent.append(body)
+        assert "".join(b["delta"]["content"] or "" for b in sent) == want[0]
+        deltas = [c for b in sent for c in b["delta"].get("tool_calls", [])]
+        names = [d["function"]["name"] for d in deltas if "id" in d]
+        assert names == [c.name for c in want[1]]
+        for i, call in enumerate(want[1]):
+            assert (
+                "".join(d["function"]["arguments"] for d in deltas if d["index"] == i)
+                == call.arguments
+            )
+        assert sent[-1]["finish_reason"] == "tool_calls"
+
+
+def test_gemma4_call_markers_stay_in_the_text(tmp_path):
+    """Gemma 4's call markers and quote marks are special tokens: where the chat template
+    writes them, decoding keeps them (and only them) for the parser to read."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as Rust
+
+    from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
+
+    marks = ["<|tool_call>", "<tool_call|>", '<|"|>']
+    rust = Rust.from_file(str(SMOL / "tokenizer.json"))
+    rust.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in marks])
+    rust.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((SMOL / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        config["chat_template"]
+        + '{# answers call tools as <|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|> #}'
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer(str(tmp_path))
+    answer = '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|><|im_end|>'
+    ids = tok.encode(answer, add_special_tokens=False)
+    assert tok.decode(ids) == answer.removesuffix("<|im_end|>")  # other specials still go
+    detok = IncrementalDetokenizer(tok, [], [])
+    assert "".join(detok.add(i) for i in ids) + detok.finish() == answer.removesuffix("<|im_end|>")
+    plain = Tokenizer(str(SMOL))  # a template without them: every special token skipped
+    assert not plain.kept_ids
 
 
 def test_a_stream_holds_back_what_may_be_a_call():

@@ -3,6 +3,7 @@
 Models write a call in the form their chat template taught them: Hermes, Qwen 2.5 and Qwen 3
 wrap a JSON object in `<tool_call>...</tool_call>`; Qwen3.5 and Qwen3-Coder write the same
 block with `<function=NAME>` and one `<parameter=KEY>` per argument inside, values as text;
+Gemma 4 writes `<|tool_call>call:NAME{key:value}<tool_call|>` with its own quote marks;
 Llama 3.1-3.3 answer with the bare JSON object (after `<|python_tag|>`, a special token
 that detokenizing drops). A parser scans a
 text for the calls in it, whole or as it streams in: where the content before the calls
@@ -122,6 +123,16 @@ Schemas = dict[str, dict[str, Any]]  # a request's functions' parameter schemas,
 
 
 class ToolParser:
+    OPEN = ""  # the tag a call opens with, in a form that has one
+
+    def held(self, text: str) -> int:
+        """Where the content may end: before a tail that may be the first characters of the
+        tag, cut between two tokens."""
+        for n in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+            if self.OPEN.startswith(text[-n:]):
+                return len(text) - n
+        return len(text)
+
     def scan(self, text: str, final: bool, schemas: Schemas | None = None) -> Scan:
         """The content's end and the calls so far; `final`: the text is whole. `schemas`:
         for a form whose arguments are text, the types to read them as."""
@@ -164,13 +175,6 @@ class HermesParser(ToolParser):
             if not call.done:
                 break
         return (len(text) if final and not calls else start), calls
-
-    def held(self, text: str) -> int:
-        # The tail may be the first characters of the tag, cut between two tokens.
-        for n in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
-            if self.OPEN.startswith(text[-n:]):
-                return len(text) - n
-        return len(text)
 
 
 class Llama3JsonParser(ToolParser):
@@ -267,6 +271,100 @@ class XmlCallParser(HermesParser):
         return ToolCall(name, "{" + ", ".join(fields) + "}"), end.end() if end else len(text)
 
 
+class GemmaCallParser(ToolParser):
+    """Gemma 4's form: `<|tool_call>call:NAME{key:value,...}<tool_call|>`, calls one after
+    another. Keys are bare, strings sit between `<|"|>` marks (special tokens, kept in the
+    text for it: tokenizer/tools.py), numbers, booleans, objects `{...}` and arrays `[...]`
+    are written as they are. A call goes out once its name is read, its arguments as JSON
+    when its braces close."""
+
+    OPEN, CLOSE, QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+    HEAD = re.compile(r"\s*call:([A-Za-z0-9_.\-]+)\s*(?=\{)")
+
+    def scan(self, text: str, final: bool, schemas: Schemas | None = None) -> Scan:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return (len(text) if final else self.held(text)), []
+        calls: list[ToolCall] = []
+        pos = start
+        while text.startswith(self.OPEN, pos):
+            head = self.HEAD.match(text, pos + len(self.OPEN))
+            if head is None:
+                break
+            try:
+                args, pos = self.value(text, head.end())
+            except IndexError:  # the arguments are still being written
+                calls.append(ToolCall(head.group(1), "", False))
+                break
+            except ValueError:  # not in this form after all
+                break
+            if not isinstance(args, dict):
+                break
+            calls.append(ToolCall(head.group(1), json.dumps(args, ensure_ascii=False)))
+            pos = skip_blanks(text, pos)
+            if text.startswith(self.CLOSE, pos):
+                pos = skip_blanks(text, pos + len(self.CLOSE))
+        return (len(text) if final and not calls else start), calls
+
+    def value(self, text: str, pos: int) -> tuple[Any, int]:
+        """The value that starts at `pos` (after blanks), and where it ends; IndexError where
+        the text ends first, ValueError where it is not in this form."""
+        pos = skip_blanks(text, pos)
+        if pos >= len(text):
+            raise IndexError(pos)
+        if text.startswith(self.QUOTE, pos):
+            end = text.find(self.QUOTE, pos + len(self.QUOTE))
+            if end < 0:
+                raise IndexError(pos)
+            return text[pos + len(self.QUOTE) : end], end + len(self.QUOTE)
+        if text[pos] in "{[":
+            closing, items, pos = "}" if text[pos] == "{" else "]", [], pos + 1
+            while True:
+                pos = skip_blanks(text, pos)
+                if pos >= len(text):
+                    raise IndexError(pos)
+                if text[pos] == closing:
+                    break
+                if closing == "}":  # a bare key (or one between quote marks), then a colon
+                    colon = text.find(":", pos)
+                    if colon < 0:
+                        raise IndexError(pos)
+                    key = text[pos:colon].strip().removeprefix(self.QUOTE).removesuffix(self.QUOTE)
+                    item, pos = self.value(text, colon + 1)
+                    items.append((key, item))
+                else:
+                    item, pos = self.value(text, pos)
+                    items.append(item)
+                pos = skip_blanks(text, pos)
+                if pos >= len(text):
+                    raise IndexError(pos)
+                if text[pos] == ",":
+                    pos += 1
+                elif text[pos] != closing:
+                    raise ValueError(f"{text[pos]!r} after an item")
+            return (dict(items) if closing == "}" else items), pos + 1
+        if self.QUOTE.startswith(text[pos:]):  # a quote mark, cut between two tokens
+            raise IndexError(pos)
+        end = pos
+        while end < len(text) and text[end] not in ",}]<":
+            end += 1
+        if end >= len(text):
+            raise IndexError(end)
+        word = text[pos:end].strip()
+        if not word:
+            raise ValueError(f"no value at {pos}")
+        try:
+            return json.loads(word), end  # a number, true, false, null
+        except json.JSONDecodeError:
+            return word, end  # written bare, though a string
+
+
+def skip_blanks(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
 def typed(value: str, schema: dict[str, Any] | None) -> str:
     """A parameter's text value as JSON text of the type its schema gives (a string where it
     gives none, or the text is not of that type)."""
@@ -297,6 +395,7 @@ def typed(value: str, schema: dict[str, Any] | None) -> str:
 PARSERS: dict[str, ToolParser] = {
     "xml": XmlCallParser(),
     "hermes": HermesParser(),
+    "gemma4": GemmaCallParser(),
     "llama3_json": Llama3JsonParser(),
 }
 

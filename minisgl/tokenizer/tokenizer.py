@@ -16,7 +16,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as RustTokenizer
 
-from minisgl.tokenizer.tools import tools_in_messages  # [ch25]
+from minisgl.tokenizer.tools import kept_special_ids, tools_in_messages  # [ch25]
 
 
 class Tokenizer:
@@ -34,11 +34,16 @@ class Tokenizer:
         self.eos_token: str | None = _token_text(config.get("eos_token"))
         self.eos_token_ids = self._eos_ids(path)
         self.vocab_size = self.rust.get_vocab_size()
+        # a tool-call form's special tokens, kept in the text; every special token  # [ch25]
+        self.kept_ids, self.special_ids = kept_special_ids(self.rust, self.chat_template)  # [ch25]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.rust.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self.kept_ids:  # all but the call markers  # [ch25]
+            ids = [i for i in ids if i in self.kept_ids or i not in self.special_ids]  # [ch25]
+            skip_special_tokens = False  # [ch25]
         return self.rust.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
