@@ -259,31 +259,43 @@ def test_a_gemma4_call_streams_alike_however_the_text_is_cut():
 
 
 def test_gemma4_call_markers_stay_in_the_text(tmp_path):
-    """Gemma 4's call markers and quote marks are special tokens: where the chat template
-    writes them, decoding keeps them (and only them) for the parser to read."""
+    """Gemma 4's call markers, quote marks and thought channel are special tokens: where the
+    chat template writes them, decoding keeps them (and only them) for the parsers to read."""
     from tokenizers import AddedToken
     from tokenizers import Tokenizer as Rust
 
+    from minisgl.core import SamplingParams
+    from minisgl.message.frontend import TokenizeMsg
     from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
+    from minisgl.tokenizer.worker import thinking_of
 
-    marks = ["<|tool_call>", "<tool_call|>", '<|"|>']
+    marks = ["<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>"]
     rust = Rust.from_file(str(SMOL / "tokenizer.json"))
     rust.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in marks])
     rust.save(str(tmp_path / "tokenizer.json"))
     config = json.loads((SMOL / "tokenizer_config.json").read_text())
     config["chat_template"] = (
         config["chat_template"]
+        + "{# <|channel>thought ... <channel|> #}"
         + '{# answers call tools as <|tool_call>call:NAME{key:<|"|>text<|"|>}<tool_call|> #}'
     )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tok = Tokenizer(str(tmp_path))
-    answer = '<|tool_call>call:get_time{zone:<|"|>CET<|"|>}<tool_call|><|im_end|>'
+    answer = (
+        '<|channel>thought\nhm<channel|><|tool_call>call:get_time{zone:<|"|>CET<|"|>}'
+        "<tool_call|><|im_end|>"
+    )
     ids = tok.encode(answer, add_special_tokens=False)
     assert tok.decode(ids) == answer.removesuffix("<|im_end|>")  # other specials still go
     detok = IncrementalDetokenizer(tok, [], [])
     assert "".join(detok.add(i) for i in ids) + detok.finish() == answer.removesuffix("<|im_end|>")
     plain = Tokenizer(str(SMOL))  # a template without them: every special token skipped
     assert not plain.kept_ids
+    # and a chat's answer is split at the thought channel (server/reasoning.py)
+    chat = TokenizeMsg(0, SamplingParams(), messages=[{"role": "user", "content": "Hi"}])
+    ids = tok.encode(tok.apply_chat_template(chat.messages), add_special_tokens=False)
+    assert thinking_of(tok, chat, ids) == ("may", "channel")
+    assert thinking_of(plain, chat, ids) == (None, "think")
 
 
 def test_a_stream_holds_back_what_may_be_a_call():
@@ -618,11 +630,14 @@ def test_reasoning_splits_alike_whole_and_streamed():
         (False, ["<", "b>bold"], ("", "<b>bold")),
         (True, ["cut short </thi"], ("cut short </thi", "")),
     ]  # fmt: skip
-    for opened, pieces, want in cases:
-        split = Reasoning(opened)
+    gemma = (["<|chan", "nel>thought\nI see", ".<chan", "nel|>Paris"], ("I see.", "Paris"))
+    styles = ["think"] * len(cases) + ["channel"]  # Gemma 4's thought channel
+    cases.append((False, *gemma))
+    for (opened, pieces, want), style in zip(cases, styles):
+        split = Reasoning(opened, style)
         got = [split.stream(0, p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
         assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == want, pieces
-        assert Reasoning(opened).whole("".join(pieces)) == want
+        assert Reasoning(opened, style).whole("".join(pieces)) == want
 
 
 @pytest.fixture(scope="module")

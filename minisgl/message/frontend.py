@@ -33,6 +33,7 @@ class AcceptedMsg:
     # a chat answer's reasoning: "open" (its prompt opened a think block), "may" (the
     # template knows one; the answer may open it), None (answers stay as they are)  # [ch25]
     thinking: str | None = None  # [ch25]
+    think_style: str = "think"  # <think>...</think>, or "channel": Gemma 4's  # [ch25]
 
 
 @dataclass

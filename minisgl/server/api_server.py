@@ -185,7 +185,8 @@ def create_app(
         shape.tools = body.tool_output() if chat else None  # [ch25]
         thinking = {frontend.thinking.get(m.uid) for m in msgs} - {None}  # [ch25]
         if chat and thinking:  # the template writes think blocks  # [ch25]
-            shape.reasoning = Reasoning(opened=thinking == {"open"})  # [ch25]
+            (state, style), *_ = thinking  # [ch25]
+            shape.reasoning = Reasoning(opened=state == "open", style=style)  # [ch25]
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = stream(frontend, queue, choices, shape, prompt_tokens, usage)

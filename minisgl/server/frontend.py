@@ -71,7 +71,8 @@ class Frontend:
         self.failed = False  # every request was ended (`fail`): the workers may be gone
         self.heard = time.monotonic()  # the workers' last word, or the first request since
         self.dashboard: DashboardSnapshot | None = None  # the live page's latest  # [ch30]
-        self.thinking: dict[int, str] = {}  # by uid: AcceptedMsg.thinking, where set  # [ch25]
+        # by uid: AcceptedMsg.thinking and think_style, where it is set  # [ch25]
+        self.thinking: dict[int, tuple[str, str]] = {}  # [ch25]
 
     async def receive_forever(self) -> None:
         while True:
@@ -125,7 +126,7 @@ class Frontend:
                     self._tokens[reply.uid] = reply.prompt_tokens
                     self.tokens_held += reply.prompt_tokens
                     if reply.thinking is not None:  # [ch25]
-                        self.thinking[reply.uid] = reply.thinking  # [ch25]
+                        self.thinking[reply.uid] = reply.thinking, reply.think_style  # [ch25]
                 elif isinstance(reply, RejectedMsg):
                     refusal = reply
                 else:  # a choice already accepted may produce tokens before the others are

@@ -1,7 +1,8 @@
 """A thinking model's reasoning apart from its answer: `reasoning_content` beside `content`.
 
 Qwen3, Qwen3.5 and the other thinking models of their kind write their reasoning between
-`<think>` and `</think>`, then the answer. Some chat templates open the block in the prompt
+`<think>` and `</think>`, then the answer; Gemma 4 between `<|channel>thought` and
+`<channel|>`. Some chat templates open the block in the prompt
 (Qwen3.5's, unless `enable_thinking` is false), so the answer starts inside it and only the
 closing tag comes; others leave the opening to the model. The tokenizer worker says which
 for each request (`AcceptedMsg.thinking`: "open", "may", or None for a template that knows
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-OPEN, CLOSE = "<think>", "</think>"
+# A block's opening and closing: Qwen's tags, and Gemma 4's thought channel (special tokens,
+# kept in the text where the template writes them: tokenizer/tools.py).
+STYLES = {"think": ("<think>", "</think>"), "channel": ("<|channel>thought", "<channel|>")}
 
 
 @dataclass
@@ -37,19 +40,21 @@ class Reasoning:
     the block."""
 
     opened: bool
+    style: str = "think"  # of STYLES
     splits: dict[int, Split] = field(default_factory=dict)  # by choice index
 
     def stream(self, index: int, text: str, final: bool) -> tuple[str, str]:
         """A choice's next piece of text as (reasoning, content); `final`: the last piece."""
         split = self.splits.setdefault(index, Split("lead" if self.opened else "start"))
-        return feed(split, text, final)
+        return feed(split, text, final, *STYLES[self.style])
 
     def whole(self, text: str) -> tuple[str, str]:
         """A whole answer as (reasoning, content)."""
-        return feed(Split("lead" if self.opened else "start"), text, final=True)
+        split = Split("lead" if self.opened else "start")
+        return feed(split, text, True, *STYLES[self.style])
 
 
-def feed(split: Split, text: str, final: bool) -> tuple[str, str]:
+def feed(split: Split, text: str, final: bool, OPEN: str, CLOSE: str) -> tuple[str, str]:  # noqa: N803
     buf, reasoning, content = split.held + text, "", ""
     while True:
         if split.part == "start":

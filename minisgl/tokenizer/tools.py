@@ -54,15 +54,15 @@ def tools_in_messages(
     return out
 
 
-# Special tokens that a template's tool-call form writes inside an answer (Gemma 4's call
-# markers and string quotes): they stay in the answer's text, where the server's parser reads
-# them, though the request asks special tokens to be skipped.
-CALL_MARKERS = ("<|tool_call>", "<tool_call|>", '<|"|>')
+# Special tokens that a template's forms write inside an answer (Gemma 4's call markers,
+# string quotes and thought channel): they stay in the answer's text, where the server's
+# parsers read them, though the request asks special tokens to be skipped.
+KEPT_MARKERS = ("<|tool_call>", "<tool_call|>", '<|"|>', "<|channel>", "<channel|>")
 
 
 def kept_special_ids(rust: Any, template: str | None) -> tuple[set[int], set[int]]:
     """(the ids of the call markers `template` writes, the ids of every special token)."""
     specials = {i for i, t in rust.get_added_tokens_decoder().items() if t.special}
-    marks = [m for m in CALL_MARKERS if template and m in template]
+    marks = [m for m in KEPT_MARKERS if template and m in template]
     kept = {i for m in marks if (i := rust.token_to_id(m)) is not None and i in specials}
     return kept, specials

@@ -24,6 +24,7 @@ from minisgl.message.frontend import (
     TokenizeMsg,
 )
 from minisgl.message.transport import Reader, Writer, address
+from minisgl.server.reasoning import STYLES  # [ch25]
 from minisgl.tokenizer.detokenizer import IncrementalDetokenizer
 from minisgl.tokenizer.logprobs import LogprobTexts  # [ch25]
 from minisgl.tokenizer.tokenizer import Tokenizer
@@ -91,8 +92,8 @@ class TokenizerWorker:
             self.tokenizer, ids, msg.stop, msg.skip_special_tokens
         )
         self.logprob_texts.accept(msg, ids)  # [ch25]
-        thinking = thinking_of(self.tokenizer, msg, ids)  # [ch25]
-        self.to_api.send(AcceptedMsg(msg.uid, len(ids), thinking))
+        thinking, style = thinking_of(self.tokenizer, msg, ids)  # [ch25]
+        self.to_api.send(AcceptedMsg(msg.uid, len(ids), thinking, style))
         self.to_scheduler.send(UserMsg(msg.uid, ids, msg.sampling_params))
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
@@ -163,14 +164,16 @@ def run_tokenizer_worker(model_path: str, ipc_dir: str, log_level: str) -> None:
 
 
 # >>> ch25 a thinking model's reasoning, apart from its answer (server/reasoning.py)
-def thinking_of(tokenizer: Tokenizer, msg: TokenizeMsg, ids: list[int]) -> str | None:
-    """For a chat whose template writes think blocks: "open" where the prompt ends inside
-    one (the answer starts with reasoning), else "may"; None otherwise."""
+def thinking_of(tokenizer: Tokenizer, msg: TokenizeMsg, ids: list[int]) -> tuple[str | None, str]:
+    """For a chat whose template writes think blocks (`STYLES`): "open" where the prompt
+    ends inside one (the answer starts with reasoning), else "may"; None otherwise. And
+    the blocks' style."""
     template = tokenizer.chat_template or ""
-    if msg.messages is None or "</think>" not in template:
-        return None
+    style = next((s for s, (_, close) in STYLES.items() if close in template), None)
+    if msg.messages is None or style is None:
+        return None, "think"
     tail = tokenizer.decode(ids[-8:], skip_special_tokens=False).rstrip()
-    return "open" if tail.endswith("<think>") else "may"
+    return ("open" if tail.endswith(STYLES[style][0]) else "may"), style
 
 
 # <<< ch25
