@@ -7,6 +7,7 @@
 # phases, the workers ready, the HTTP server listening.
 #
 #   OUT=$OUT WHEEL_DIRS=".whl .gpu_serve/whl" bash tools/recipes/startup_h200.sh   # from the repository root
+#   THREADS_AB=1 OUT=$OUT WHEEL_DIRS=.whl bash tools/recipes/startup_h200.sh         # and threads A/B
 #
 # WHEEL_DIRS: folders of wheels (fastapi, uvicorn, pyzmq, ...; docs/GPU notes) installed
 # first into /root/site; MODEL is made with random weights in Qwen3-0.6B's shape when
@@ -43,3 +44,14 @@ $PY tools/bench_startup.py --model "$MODEL" --runs 2
 for module in minisgl.server.launch minisgl.tokenizer.worker minisgl.scheduler.io; do
     $PY -c "import time; t = time.perf_counter(); import $module; print('import $module: %.2f s' % (time.perf_counter() - t))"
 done
+# With THREADS_AB=1: more fresh starts, each from empty caches of its own (Triton's and the
+# kernel choice's), alternating the kernel choice's builds one after another
+# (MINISGL_BUILD_THREADS=1) and in threads (the default), twice each.
+if [ "${THREADS_AB:-0}" = 1 ]; then
+    for threads in 1 16 1 16; do
+        echo "== fresh start, MINISGL_BUILD_THREADS=$threads"
+        TRITON_CACHE_DIR=$(mktemp -d) MINISGL_CACHE_DIR=$(mktemp -d) MINISGL_BUILD_THREADS=$threads \
+            $PY tools/bench_startup.py --model "$MODEL" --runs 1 \
+            | grep -E "answered|kernel choice took|Triton at start-up|engine ready"
+    done
+fi
