@@ -92,8 +92,9 @@ class TokenizerWorker:
             self.tokenizer, ids, msg.stop, msg.skip_special_tokens
         )
         self.logprob_texts.accept(msg, ids)  # [ch25]
-        thinking, style = thinking_of(self.tokenizer, msg, ids)  # [ch25]
-        self.to_api.send(AcceptedMsg(msg.uid, len(ids), thinking, style))
+        accepted = AcceptedMsg(msg.uid, len(ids))
+        accepted.thinking, accepted.think_style = thinking_of(self.tokenizer, msg, ids)  # [ch25]
+        self.to_api.send(accepted)
         self.to_scheduler.send(UserMsg(msg.uid, ids, msg.sampling_params))
 
     def tokenize(self, msg: TokenizeMsg) -> list[int]:
