@@ -88,6 +88,8 @@ def attention_from_qkv(rope_store: Callable, decode: Callable | None) -> Callabl
                 return out.reshape(-1, self.num_heads * self.head_dim)
         kv = ctx.attn_backend.kv_cache
         norms = hasattr(self, "q_norm")
+        out_loc = ctx.batch.out_loc
+        out_loc = store_slots(kv, out_loc, self.layer_id)  # a sliding layer's own  # [ch29]
         q = rope_store(
             qkv,
             ctx.batch.positions,
@@ -97,7 +99,7 @@ def attention_from_qkv(rope_store: Callable, decode: Callable | None) -> Callabl
             self.q_norm.eps if norms else 0.0,
             kv.k_cache(self.layer_id),
             kv.v_cache(self.layer_id),
-            store_slots(kv, ctx.batch.out_loc, self.layer_id),  # a sliding layer's own  # [ch29]
+            out_loc,
             self.num_heads,
             self.num_kv_heads,
             self.head_dim,
