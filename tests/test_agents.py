@@ -367,7 +367,7 @@ UNSUPPORTED = [
     ("truncation-auto", {"truncation": "auto"}, "truncation"),
     ("include", {"include": ["message.output_text.logprobs"]}, "include"),
     ("unknown-previous", {"previous_response_id": "resp_none"}, "previous_response_id"),
-    ("reasoning-item", {"input": [{"type": "reasoning", "summary": []}]}, "input.0"),
+    ("item-reference", {"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0"),
     ("image", {"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "only text"),
     ("hosted-choice", {"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice"),
 ]

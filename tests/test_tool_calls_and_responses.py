@@ -610,7 +610,9 @@ def test_a_list_with_logprobs_and_echo_scores_each_prompt(server):
 # says `enable_thinking: false` (Qwen3.5's then writes an empty block, after which SmolLM2
 # ends at once; here the block is left to the model, which never opens one).
 THINK_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n"
     "{%- if not (enable_thinking is defined and enable_thinking is false) %}<think>\n{% endif %}"
     "{%- endif %}{# </think> closes it #}"
@@ -671,3 +673,102 @@ def test_a_thinking_answer_has_its_reasoning_apart(thinking):
     assert plain.content and plain.model_extra.get("reasoning_content") is None
     with pytest.raises(openai.BadRequestError, match="set by the server"):
         thinking.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"tools": []}})
+
+
+def test_a_responses_answer_has_its_reasoning_first_whole_and_streamed():
+    """Qwen3's form (the model opens and closes the block), then the answer: a reasoning item
+    and a message, alike whole and streamed; the events are the ones OpenAI's client knows;
+    the reasoning's tokens are those up to the one that closed the block."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    from minisgl.server.reasoning import Reasoning
+    from minisgl.server.responses_api import ResponsesRequest
+    from minisgl.server.responses_output import Answer
+
+    pieces = ["<think>\n", "Let me", " see.</th", "ink>\n\n", "Paris", "."]
+    event = TypeAdapter(ResponseStreamEvent)
+
+    def answer(streamed: bool) -> tuple[Answer, list[Any]]:
+        out = Answer(ResponsesRequest(model="m", input="hi"), "m", 0, 5, None, Reasoning(False))
+        events = []
+        for i, piece in enumerate(pieces):
+            out.choice.tokens, final = i + 1, i == len(pieces) - 1
+            out.choice.finish_reason = "stop" if final else None
+            thought, text = out.split(piece, final)
+            if streamed:
+                events += [*out.thinking(thought), *out.text(text)]
+        events += out.close(out.status) if streamed else out.finish() or []
+        data = [json.loads(e.split("data: ", 1)[1]) for e in events]
+        return out, [event.validate_python(d) for d in data]
+
+    (whole, _), (streamed, events) = answer(False), answer(True)
+    for out in whole, streamed:
+        assert [i["type"] for i in out.items] == ["reasoning", "message"]
+        assert out.items[0]["content"] == [{"type": "reasoning_text", "text": "Let me see."}]
+        assert out.items[1]["content"][0]["text"] == "Paris."
+        assert out.reasoning_tokens == 4
+        assert out.response()["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+    kinds = [e.type.removeprefix("response.") for e in events]
+    thinking = ["reasoning_text.delta"] * 2 + ["reasoning_text.done", "content_part.done"]
+    text = ["output_text.delta"] * 2 + ["output_text.done", "content_part.done"]
+    opened = ["output_item.added", "content_part.added"]
+    assert kinds == [*opened, *thinking, "output_item.done", *opened, *text, "output_item.done"]
+
+
+def test_responses_carry_reasoning_out_and_back(thinking):
+    """The 135M model never closes the block the template opened: the whole answer is one
+    reasoning item, chat's `reasoning_content`, streamed alike. Sent back (by
+    previous_response_id, or as input items), it reaches the template as the assistant
+    message's `reasoning_content`, as a chat message's does."""
+    ask = {"model": "m", "temperature": 0, "max_output_tokens": 12}
+    question = [{"role": "user", "content": QUESTION}]
+    first = thinking.responses.create(**ask, input=question)
+    (item,) = first.output
+    chat = thinking.chat.completions.create(
+        model="m", messages=question, temperature=0, max_tokens=12
+    )
+    thought = chat.choices[0].message.model_extra["reasoning_content"]
+    assert item.type == "reasoning" and item.content[0].text == thought
+    assert first.usage.output_tokens_details.reasoning_tokens == first.usage.output_tokens > 0
+    with thinking.responses.stream(**ask, input=question) as events:
+        deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+        final = events.get_final_response()
+    assert "".join(deltas) == final.output[0].content[0].text == thought
+
+    more = [{"role": "user", "content": "And of Spain?"}]
+    on = thinking.responses.create(**ask, input=more, previous_response_id=first.id)
+    sent = [o.model_dump(exclude_none=True) for o in first.output]
+    back = thinking.responses.create(**ask, input=[*question, *sent, *more])
+    turn = {"role": "assistant", "content": "", "reasoning_content": thought}
+    messages = [*question, turn, *more]
+    as_chat = thinking.chat.completions.create(model="m", messages=messages, max_tokens=1)
+    without = thinking.chat.completions.create(
+        model="m", messages=[*question, {"role": "assistant", "content": ""}, *more], max_tokens=1
+    )
+    assert on.usage.input_tokens == back.usage.input_tokens == as_chat.usage.prompt_tokens
+    assert as_chat.usage.prompt_tokens > without.usage.prompt_tokens + 8
+    assert on.output[0].content[0].text == back.output[0].content[0].text
+
+
+def test_reasoning_items_go_back_as_the_assistant_messages_they_led_to():
+    from minisgl.server.responses_api import ResponsesRequest
+
+    items = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "Ask the tool."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "Sun."}]},
+        {"role": "assistant", "content": "It is sunny."},
+    ]  # fmt: skip
+    plain = ResponsesRequest(model="m", input=items).as_chat([]).plain_messages()
+    assert [(m["role"], m["content"], m.get("reasoning_content")) for m in plain] == [
+        ("user", "Weather in Paris?", None),
+        ("assistant", "", "Ask the tool."),
+        ("tool", "sunny", None),
+        ("assistant", "It is sunny.", "Sun."),
+    ]
+    assert plain[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}

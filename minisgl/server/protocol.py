@@ -215,6 +215,7 @@ class ChatMessage(BaseModel):
     content: Text | list[dict[str, Any]] | None = None
     tool_calls: list[calling.AssistantCall] | None = None  # an assistant's, sent back  # [ch25]
     tool_call_id: str | None = None  # a tool's result answers this call  # [ch25]
+    reasoning_content: Text | None = None  # an assistant's, sent back  # [ch25]
 
     @model_validator(mode="after")
     def _text_only(self) -> ChatMessage:

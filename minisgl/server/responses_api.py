@@ -2,7 +2,8 @@
 lead with.
 
 A Responses request is a chat in other words: `input` is the user's text or a list of items
-(messages, the model's earlier function calls and their results), `instructions` the
+(messages, the model's earlier reasoning and function calls, and their results: a reasoning
+item goes to the template as its assistant message's `reasoning_content`), `instructions` the
 system message, `tools` the functions (flat: `name` and `parameters` beside `type`),
 `text.format` the response format, `max_output_tokens` the limit. So the route turns it
 into a `ChatCompletionRequest` and runs it as one, with chat's grammars and tool parsing;
@@ -12,7 +13,7 @@ With `store` (the default) the server keeps the latest responses in memory (STOR
 so that a request can go on from one by its `previous_response_id` (that response's input
 and output come before the new input, its instructions do not), and `GET
 /v1/responses/{id}` returns it. A field of the API that the server cannot honour (hosted
-tools, background runs, conversations, reasoning) is a 400 naming it, never dropped.
+tools, background runs, conversations, a reasoning effort) is a 400 naming it, never dropped.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from minisgl.message.frontend import TokenizeMsg
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Frontend
 from minisgl.server.protocol import INT64_END, APIError, ChatCompletionRequest, Text
+from minisgl.server.reasoning import Reasoning
 from minisgl.server.responses_output import Answer, stream, whole
 from minisgl.server.tool_parsers import is_object
 from minisgl.server.tools import Function, JsonText
@@ -83,6 +85,27 @@ class FunctionCallItem(BaseModel):
     arguments: JsonText
 
 
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: Text
+
+
+class ReasoningItem(BaseModel):
+    """The model's reasoning, sent back before the answer it led to."""
+
+    model_config = ConfigDict(extra="ignore")  # encrypted_content: none is made here
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+
+    def text(self) -> str:
+        """The reasoning's text, or its summary's where a client kept only that."""
+        return "".join(p.text for p in (self.summary if self.content is None else self.content))
+
+
 class FunctionCallOutputItem(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -98,12 +121,13 @@ def _item_type(item: Any) -> str:
 Item = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(
         _item_type,
         custom_error_type="unsupported_item",
-        custom_error_message="input items are messages, function_call and function_call_output;"
-        " other item types (reasoning, item_reference, ...) are not supported",
+        custom_error_message="input items are messages, reasoning, function_call and"
+        " function_call_output; other item types (item_reference, ...) are not supported",
     ),
 ]
 
@@ -217,7 +241,13 @@ class ResponsesRequest(BaseModel):
         if self.instructions is not None:
             messages.append({"role": "system", "content": self.instructions})
         for item in history + self.items():
-            if isinstance(item, MessageItem):
+            last = messages[-1] if messages else {}
+            if isinstance(item, ReasoningItem):  # opens the assistant message it led to
+                messages.append({"role": "assistant", "content": "", "reasoning_content": ""})
+                messages[-1]["reasoning_content"] = item.text()
+            elif isinstance(item, MessageItem) and item.role == "assistant" and thought_only(last):
+                last["content"] = text_of(item.content)
+            elif isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": text_of(item.content)})
             elif isinstance(item, FunctionCallOutputItem):
                 content = text_of(item.output)
@@ -248,6 +278,11 @@ class ResponsesRequest(BaseModel):
 
 
 ITEM: TypeAdapter[Item] = TypeAdapter(Item)
+
+
+def thought_only(message: dict[str, Any]) -> bool:
+    """Whether a message is an assistant's reasoning with no answer yet."""
+    return "reasoning_content" in message and not message["content"] and "tool_calls" not in message
 
 
 def resendable(item: dict[str, Any]) -> bool:
@@ -303,7 +338,10 @@ def add_responses_route(
             template_vars=chat.template_vars(),
         )
         queue, prompt_tokens = await frontend.open([msg])
-        answer = Answer(body, model_name, msg.uid, prompt_tokens, chat.tool_output())
+        reasoning = None
+        if (thinking := frontend.thinking.get(msg.uid)) is not None:  # the template's blocks
+            reasoning = Reasoning(opened=thinking[0] == "open", style=thinking[1])
+        answer = Answer(body, model_name, msg.uid, prompt_tokens, chat.tool_output(), reasoning)
         if body.stream and params.json_schema is not None:  # a 400 is still possible
             await frontend.started(queue, [msg.uid])
 

@@ -2,13 +2,16 @@
 
 An assistant `message` item holds the text (one `output_text` part); each call the model
 makes is a `function_call` item of its own (`call_id`, `name`, `arguments` as JSON text),
-after the message if there is text before the calls. Streamed, the answer is OpenAI's
+after the message if there is text before the calls. A thinking model's reasoning, split
+off as chat's `reasoning_content` is (reasoning.py), comes first: a `reasoning` item with
+one `reasoning_text` part, its tokens counted in `usage`. Streamed, the answer is OpenAI's
 typed events, each an SSE `event:` line and its `data:` with a `sequence_number`:
 `response.created` and `.in_progress`; per item `response.output_item.added`, then for a
-message `response.content_part.added`, an `output_text.delta` per piece of text, and
-their `.done` events, for a call `function_call_arguments.delta` per piece of its
-arguments and `.done`; then `response.output_item.done`; at last `response.completed`
-(or `response.incomplete`, cut by `max_output_tokens`), with the whole response.
+message `response.content_part.added`, an `output_text.delta` per piece of text (for the
+reasoning, `reasoning_text.delta`), and their `.done` events, for a call
+`function_call_arguments.delta` per piece of its arguments and `.done`; then
+`response.output_item.done`; at last `response.completed` (or `response.incomplete`, cut by
+`max_output_tokens`), with the whole response.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl.server.frontend import Choice, Frontend
 from minisgl.server.protocol import APIError
+from minisgl.server.reasoning import Reasoning
 from minisgl.server.tools import CallDelta, ToolOutput, new_call_id
 
 if TYPE_CHECKING:
@@ -42,8 +46,12 @@ class Answer:
         uid: int,
         prompt_tokens: int,
         tools: ToolOutput | None,
+        reasoning: Reasoning | None = None,
     ) -> None:
         self.body, self.model, self.prompt_tokens, self.tools = body, model, prompt_tokens, tools
+        self.reasoning = reasoning  # where the template writes think blocks
+        self.thought, self.content = "", ""  # the answer's text, split
+        self.reasoning_tokens = 0  # the tokens up to the last one inside the block
         self.id, self.created = _id("resp"), int(time.time())
         now = time.perf_counter()
         self.choice = Choice(uid, 0, started=now, arrived=now)
@@ -93,7 +101,7 @@ class Answer:
                 "input_tokens": self.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": 0},
                 "output_tokens": tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": self.prompt_tokens + tokens,
             }
             if done
@@ -105,14 +113,31 @@ class Answer:
         self.events += 1
         return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
 
+    def split(self, text: str, final: bool) -> tuple[str, str]:
+        """A piece of the answer's text as (reasoning, content); whole answers are split the
+        same way, a piece at a time, so that the tokens of the reasoning are counted."""
+        if self.reasoning is None:
+            self.content += text
+            return "", text
+        inside = ("lead", "think")
+        split = self.reasoning.splits.get(0)
+        before = split.part if split is not None else "lead" if self.reasoning.opened else "start"
+        thought, content = self.reasoning.stream(0, text, final)
+        if before in inside or self.reasoning.splits[0].part in inside:
+            self.reasoning_tokens = self.choice.tokens
+        self.thought, self.content = self.thought + thought, self.content + content
+        return thought, content
+
     # ---- the items, whole --------------------------------------------------------------
 
     def finish(self) -> None:
-        """The items of a whole answer, from its text."""
-        text = "".join(self.choice.text)
+        """The items of a whole answer, from its text, split."""
+        text = self.content
         found = self.tools.split(text) if self.tools is not None else None
         content, calls = (text, []) if found is None else found
-        if content.strip() or not calls:
+        if self.thought:
+            self.items.append(self.thinking_item(self.thought))
+        if content.strip() or not (calls or self.thought):
             self.items.append(self.message(content))
         for call in calls:
             self.items.append(self.call(new_call_id(), call.name, call.arguments))
@@ -122,6 +147,11 @@ class Answer:
     def message(self, text: str) -> dict[str, Any]:
         part = {"type": "output_text", "text": text, "annotations": []}
         item = {"type": "message", "id": _id("msg"), "status": "in_progress", "role": "assistant"}
+        return {**item, "content": [part]}
+
+    def thinking_item(self, text: str) -> dict[str, Any]:
+        part = {"type": "reasoning_text", "text": text}
+        item = {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "in_progress"}
         return {**item, "content": [part]}
 
     def call(self, call_id: str, name: str, arguments: str) -> dict[str, Any]:
@@ -138,13 +168,13 @@ class Answer:
         if item["type"] == "function_call":
             yield self.event("response.output_item.added", output_index=where, item=item)
             return
-        text = item["content"][0]["text"]
+        part = item["content"][0]
+        text, part["text"] = part["text"], ""
         item["content"] = []
         yield self.event("response.output_item.added", output_index=where, item=item)
-        part = {"type": "output_text", "text": "", "annotations": []}
         item["content"] = [part]
         yield self.event("response.content_part.added", **self.where(), part=part)
-        yield from self.text(text)
+        yield from (self.text if item["type"] == "message" else self.thinking)(text)
 
     def where(self) -> dict[str, Any]:
         assert self.open is not None
@@ -161,6 +191,15 @@ class Answer:
         elif text:
             self.open["content"][0]["text"] += text
             yield self.event("response.output_text.delta", **self.where(), delta=text, logprobs=[])
+
+    def thinking(self, text: str) -> Iterator[str]:
+        """A piece of the reasoning; the first opens its item."""
+        if self.open is None or self.open["type"] != "reasoning":
+            if text:
+                yield from self.add(self.thinking_item(text))
+        elif text:
+            self.open["content"][0]["text"] += text
+            yield self.event("response.reasoning_text.delta", **self.where(), delta=text)
 
     def arguments(self, piece: CallDelta) -> Iterator[str]:
         """A piece of a call: the first opens its item, the others extend its arguments."""
@@ -184,6 +223,10 @@ class Answer:
         if item["type"] == "function_call":
             done = {"name": item["name"], "arguments": item["arguments"]}
             yield self.event("response.function_call_arguments.done", **where, **done)
+        elif item["type"] == "reasoning":
+            part, at = item["content"][0], {**where, "content_index": 0}
+            yield self.event("response.reasoning_text.done", **at, text=part["text"])
+            yield self.event("response.content_part.done", **at, part=part)
         else:
             part, at = item["content"][0], {**where, "content_index": 0}
             yield self.event("response.output_text.done", **at, text=part["text"], logprobs=[])
@@ -192,8 +235,8 @@ class Answer:
 
 
 async def whole(frontend: Frontend, queue: asyncio.Queue, answer: Answer) -> dict[str, Any]:
-    async for _ in frontend.results(queue, [answer.choice]):
-        pass
+    async for choice, delta in frontend.results(queue, [answer.choice]):
+        answer.split(delta.text, choice.finish_reason is not None)
     answer.finish()
     return answer.response()
 
@@ -209,10 +252,11 @@ async def stream(
         yield answer.event("response.in_progress", response=answer.response())
         async for choice, delta in frontend.results(queue, [answer.choice]):
             finished = choice.finish_reason is not None
+            thought, text = answer.split(delta.text, finished)
+            for event in answer.thinking(thought):
+                yield event
             content, calls = (
-                (delta.text, [])
-                if answer.tools is None
-                else answer.tools.stream(0, delta.text, finished)
+                (text, []) if answer.tools is None else answer.tools.stream(0, text, finished)
             )
             for event in answer.text(content):
                 yield event

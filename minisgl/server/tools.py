@@ -142,8 +142,8 @@ def template_tools(tools: list[Tool] | None, choice: ToolChoice | None) -> list[
 
 
 def add_tool_fields(plain: list[dict[str, Any]], messages: list[Any]) -> None:
-    """An assistant's calls and a tool result's call id, as chat templates read them: the
-    arguments as an object, not JSON text."""
+    """An assistant's calls, reasoning, and a tool result's call id, as chat templates read
+    them: the arguments as an object, not JSON text."""
     for out, m in zip(plain, messages):
         if m.tool_calls:
             out["tool_calls"] = [
@@ -159,6 +159,8 @@ def add_tool_fields(plain: list[dict[str, Any]], messages: list[Any]) -> None:
             ]
         if m.tool_call_id is not None:
             out["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:  # the template may write it, or leave it out
+            out["reasoning_content"] = m.reasoning_content
 
 
 def tool_output(
