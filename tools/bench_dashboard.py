@@ -5,8 +5,10 @@ observer's snapshot when one is due, and the whole output encoded with msgpack a
 socket; only the socket itself is left out. Each batch size is run in alternating rounds,
 without a watch lease and with one (what an open page holds), so that a drift of the
 machine falls on both; the figure is the median time between two steps where every
-request decodes. Beside it: how long building and encoding one snapshot takes, and what
-the two hooks cost a step when nobody watches (the scheduler calls them anyway).
+request decodes. Beside it: how long building and encoding one snapshot takes, what the
+host spends a step on the page while it watches (the step log's two hooks, and `publish`
+on the steps without a snapshot), and what the two hooks cost a step when nobody watches
+(the scheduler calls them anyway).
 
     python tools/bench_dashboard.py --model /tmp/qwen3-0.6b --batch-sizes 1,64
     python tools/bench_dashboard.py --model models/SmolLM2-135M-Instruct --batch-sizes 1,8
@@ -20,14 +22,29 @@ import random
 import statistics
 import time
 import timeit
+from typing import Any
 
 from common import add_engine_args, engine_kwargs, parse
 
 UIDS = itertools.count()
 
 
+def timed(spent: list[float], fn: Any) -> Any:
+    """`fn`, adding the seconds each call takes to `spent[0]`, and one to `spent[1]`."""
+
+    def call(*a: Any) -> Any:
+        began = time.perf_counter()
+        out = fn(*a)
+        spent[0] += time.perf_counter() - began
+        spent[1] += 1
+        return out
+
+    return call
+
+
 def run_round(observer: object, prompts: list[list[int]], args: argparse.Namespace, watch: bool):
-    """One batch to completion through the worker loop; (step gaps s, snapshot costs s)."""
+    """One batch to completion through the worker loop; (step gaps s, snapshot costs s,
+    host seconds a step in the hooks, in `publish` without a snapshot)."""
     from minisgl.core import SamplingParams
     from minisgl.message.backend import SchedulerOutput, UserMsg
     from minisgl.message.codec import encode
@@ -40,12 +57,18 @@ def run_round(observer: object, prompts: list[list[int]], args: argparse.Namespa
     messages = ([WatchMsg(3600.0)] if watch else []) + msgs
     observer.receive(messages)
     sched.receive(messages)
+    log, hooks, quiet = observer.log, [0.0, 0], []
+    log.forward_begins = timed(hooks, type(log).forward_begins.__get__(log))
+    log.forward_launched = timed(hooks, type(log).forward_launched.__get__(log))
     stamps, snapshots = [], []
     while sched.has_work:
         tokens = sched.step()
         began = time.perf_counter()
         output = SchedulerOutput(tokens, scheduler_stats(sched))
+        published = time.perf_counter()
         output.dashboard = observer.publish(tokens)
+        if output.dashboard is None and watch:
+            quiet.append(time.perf_counter() - published)
         encode(output)
         if output.dashboard is not None:
             snapshots.append(time.perf_counter() - began)
@@ -55,7 +78,9 @@ def run_round(observer: object, prompts: list[list[int]], args: argparse.Namespa
         observer.receive([WatchMsg(0.0)])
         observer.publish([])
     gaps = [b - a for a, b in zip(stamps, stamps[1:])][2:]  # the first steps warm up
-    return gaps, snapshots
+    del log.forward_begins, log.forward_launched
+    per_step = 2 * hooks[0] / max(hooks[1], 1)  # a forward calls both hooks
+    return gaps, snapshots, per_step, statistics.median(quiet) if quiet else 0.0
 
 
 def hooks_ns(llm: object) -> float:
@@ -110,21 +135,26 @@ def main() -> None:
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"{name}, {args.model}, {args.dtype}, prompt {args.input_len}, {args.output_len} steps")
     print(f"the step log's two hooks without a page: {hooks_ns(llm):.0f} ns a step\n")
-    print("| batch | step ms, no page | step ms, page open | cost | snapshots | ms each |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| batch | step ms, no page | step ms, page open | cost | snapshots | ms each"
+        " | hooks us/step | publish us/step |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for bs in sizes:
         run_round(observer, prompts(bs), args, watch=False)  # warm-up
-        off, on, snaps = [], [], []
+        off, on, snaps, hook_s, publish_s = [], [], [], [], []
         for _ in range(args.rounds):
             off += run_round(observer, prompts(bs), args, watch=False)[0]
-            gaps, costs = run_round(observer, prompts(bs), args, watch=True)
+            gaps, costs, hooks, quiet = run_round(observer, prompts(bs), args, watch=True)
             on += gaps
             snaps += costs
+            hook_s.append(hooks)
+            publish_s.append(quiet)
         a, b = statistics.median(off) * 1e3, statistics.median(on) * 1e3
         each = statistics.median(snaps) * 1e3 if snaps else float("nan")
-        print(
-            f"| {bs} | {a:.3f} | {b:.3f} | {100 * (b / a - 1):+.2f}% | {len(snaps)} | {each:.2f} |"
-        )
+        hooks, quiet = statistics.median(hook_s) * 1e6, statistics.median(publish_s) * 1e6
+        cost, host = f"{100 * (b / a - 1):+.2f}%", f"{hooks:.1f} | {quiet:.1f}"
+        print(f"| {bs} | {a:.3f} | {b:.3f} | {cost} | {len(snaps)} | {each:.2f} | {host} |")
     llm.shutdown()
 
 
