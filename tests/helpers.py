@@ -1,6 +1,7 @@
-"""Shared test helpers: model paths, Hugging Face references, a bare engine driver, and the
+"""Shared test helpers: model paths, Hugging Face references, a bare engine driver, the
 one way the tests start a server (`serving`, or `launch` and `stop` where a test must hold the
-process itself)."""
+process itself), and what the tests of several chapters share: a chapter's tree holds its
+own chapter's tests only, so a test module imports nothing from another chapter's."""
 
 from __future__ import annotations
 
@@ -384,6 +385,39 @@ def check_error(r: httpx.Response, status: int) -> dict[str, Any]:
 # <<< ch16
 
 
+# >>> ch20 our elementwise kernels, and how close to the torch references they must come
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def assert_ulps(got: torch.Tensor, want: torch.Tensor) -> None:
+    """got equals want to one unit in the last place of want's dtype, and in fp16 (and bf16
+    on a GPU) nearly everywhere to the bit: a rounding step left out or taken in another
+    order changes a quarter of the values by one unit. bf16 in the interpreter truncates
+    each rounding: three units. fp32 rounds nothing lower, but the sum and rsqrt differ."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    exact = want.dtype == torch.float16 or (want.dtype == torch.bfloat16 and DEV.type == "cuda")
+    most = {torch.float32: 16, torch.float16: 1}.get(want.dtype, 1 if exact else 3)
+    info = torch.finfo(want.dtype)
+    w = want.detach().float()
+    ulp = info.eps * torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(info.tiny))))
+    off = ((got.float() - w).abs() / ulp).max().item()
+    assert off <= most, f"{off} units in the last place apart"
+    same = (got == want).float().mean().item()
+    assert not exact or same >= 0.95, f"only {same:.1%} of the values equal to the bit"
+
+
+def ours_only(dtype: torch.dtype):
+    """A KernelPlan with our elementwise kernels and nothing else, for CPU tensors too."""
+    from minisgl.kernels import elementwise
+    from minisgl.layers.kernel_plan import KernelPlan
+
+    return KernelPlan(dtype, True, None, elementwise, None, None, None)
+
+
+# <<< ch20
+
+
 # >>> ch21 ranks as processes
 def two_ranks(target: Any, *args: Any, results: int, timeout: float = 300) -> dict:
     """Run `target(*args, rank, queue)` as ranks 0 and 1; the (key, value) pairs they put."""
@@ -406,3 +440,117 @@ def two_ranks(target: Any, *args: Any, results: int, timeout: float = 300) -> di
 
 
 # <<< ch21
+
+
+# >>> ch26 drafts that verify steps accept in part
+def oracle_drafter(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
+    """Drafts from a plain run's own output, up to 3, the second one wrong every third step:
+    verify steps that accept all, some and none of their drafts."""
+
+    def draft(req: Req, k: int) -> list[int]:
+        ids = req.input_ids.tolist()
+        i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
+        done = len(ids) - len(prompts[i])
+        tokens = want[i][done : done + min(3, k)]
+        if done % 3 == 0 and len(tokens) > 1:
+            tokens[1] = (tokens[1] + 1) % vocab  # the model will not agree with this one
+        return tokens
+
+    return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
+
+
+# <<< ch26
+
+
+# >>> ch29 tiny random models whose sliding layers keep a windowed pool (window_pages.py)
+WINDOWED_VOCAB = 256
+
+
+def windowed_configs() -> dict[str, Any]:
+    """Gemma 4 shaped like E2B (sliding, full and KV-shared layers, window 8), Gemma 3 (a
+    sliding and a full layer of one shape, window 12) and Mistral (every layer slides,
+    window 8)."""
+    from transformers import Gemma3TextConfig, Gemma4TextConfig, MistralConfig
+
+    S, F = "sliding_attention", "full_attention"
+    small = dict(vocab_size=WINDOWED_VOCAB, hidden_size=32, intermediate_size=64, bos_token_id=1,
+                 max_position_embeddings=128, eos_token_id=2, pad_token_id=0)  # fmt: skip
+    return {
+        "gemma4": Gemma4TextConfig(
+            **small, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+            head_dim=16, global_head_dim=32, layer_types=[S, S, F] * 2, sliding_window=8,
+            num_kv_shared_layers=2, hidden_size_per_layer_input=8,
+            vocab_size_per_layer_input=WINDOWED_VOCAB, final_logit_softcapping=30.0,
+            architectures=["Gemma4ForCausalLM"],
+        ),
+        "gemma3": Gemma3TextConfig(
+            **small, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, sliding_window=12, query_pre_attn_scalar=24, layer_types=[S, F],
+            architectures=["Gemma3ForCausalLM"],
+        ),
+        "mistral": MistralConfig(
+            **small, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            sliding_window=8, architectures=["MistralForCausalLM"],
+        ),
+    }  # fmt: skip
+
+
+def windowed_models(root: Path) -> dict[str, Path]:
+    """The three models of `windowed_configs`, seed 0, fp32, every weight random (norms
+    included), with the tiny Llama's tokenizer, saved under ROOT; name -> folder."""
+    from transformers import AutoModelForCausalLM
+
+    tok, out = need(TINY["llama"]), {}
+    for name, config in windowed_configs().items():
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # every weight random, norms included
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        model.save_pretrained(root / name)
+        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tok / f).is_file():
+                (root / name / f).write_bytes((tok / f).read_bytes())
+        out[name] = root / name
+    return out
+
+
+def windowed_token_ids(seed: int, n: int) -> list[int]:
+    """n random tokens of the windowed models' vocabulary, none of the special ones."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, WINDOWED_VOCAB, (n,), generator=gen).tolist()
+
+
+# <<< ch29
+
+
+# >>> ch31 the published configs of Qwen3.5-0.8B and 9B (values from their config.json)
+def qwen3_5_published(hidden: int, inter: int, layers: int, heads: int, kv: int,
+                      value_heads: int, tied: bool) -> dict[str, Any]:  # fmt: skip
+    text = dict(
+        model_type="qwen3_5_text", vocab_size=248320, hidden_size=hidden,
+        intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=256, attn_output_gate=True, attention_bias=False,
+        full_attention_interval=4,
+        layer_types=["linear_attention", "linear_attention", "linear_attention",
+                     "full_attention"] * (layers // 4),
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+        linear_num_value_heads=value_heads, linear_conv_kernel_dim=4, mamba_ssm_dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                         "mrope_interleaved": True},
+        max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
+        mtp_num_hidden_layers=1, tie_word_embeddings=tied, dtype="bfloat16",
+    )  # fmt: skip
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+            "text_config": text, "vision_config": {"depth": 12},
+            "tie_word_embeddings": tied}  # fmt: skip
+
+
+QWEN3_5_PUBLISHED = {
+    "0.8B": qwen3_5_published(1024, 3584, 24, 8, 2, 16, True),
+    "9B": qwen3_5_published(4096, 12288, 32, 16, 4, 32, False),
+}
+
+
+# <<< ch31

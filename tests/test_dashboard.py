@@ -25,10 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import test_sliding_window_pages as windowed
 import torch
-from helpers import ROOT, SMOL, TINY, Server, httpx, metrics, need, run_tool, serving
-from test_sliding_window_pages import folders  # noqa: F401 (a fixture)
+from helpers import (
+    ROOT,
+    SMOL,
+    TINY,
+    Server,
+    httpx,
+    metrics,
+    need,
+    run_tool,
+    serving,
+    windowed_models,
+    windowed_token_ids,
+)
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
@@ -405,7 +415,13 @@ def test_state_documents_its_fields(server):
         assert '"seq"' in next(lines)
 
 
-def test_the_live_page_counts_windowed_pages(folders) -> None:  # noqa: F811 (the fixture)
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Chapter 29's tiny models with sliding windows (test_sliding_window_pages.py's)."""
+    return windowed_models(tmp_path_factory.mktemp("swa"))
+
+
+def test_the_live_page_counts_windowed_pages(folders) -> None:
     """Chapter 29's windowed pool on the page (the snapshot, as it crosses the socket): the
     windowed pages running requests hold (a window's few each, whatever their length), those
     idle on cached pages, of the windowed pool; none held once every request has left."""
@@ -415,8 +431,8 @@ def test_the_live_page_counts_windowed_pages(folders) -> None:  # noqa: F811 (th
     try:
         observer = Observer(llm.scheduler)
         observer.receive([WatchMsg(30.0)])
-        prompts = [windowed.token_ids(40 + i, 3 * 8 + 5 * i) for i in range(2)]
-        seen = [snap.counters for snap in run(llm, observer, prompts, windowed.PARAMS.max_tokens)]
+        prompts = [windowed_token_ids(40 + i, 3 * 8 + 5 * i) for i in range(2)]
+        seen = [snap.counters for snap in run(llm, observer, prompts, max_tokens=14)]
     finally:
         llm.shutdown()
     assert seen and all(c["window_pages"] == 16 for c in seen)

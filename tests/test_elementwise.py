@@ -5,7 +5,8 @@ On CPU they run in Triton's interpreter (tests/conftest.py turns it on without a
 casts from fp32 to bf16 truncate where a GPU rounds to nearest, so on CPU bf16 results are
 held to a few units in the last place; fp16 casts round as on a GPU, and there the kernels
 must match the references' rounding step by step (one unit at most, for a sum taken in
-another order).
+another order). `assert_ulps` and `ours_only` live in helpers.py: later chapters' kernel
+tests hold their kernels to the same tolerance.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import TINY, need
+from helpers import DEV, DTYPES, TINY, assert_ulps, need, ours_only
 
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
@@ -32,25 +33,6 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="needs a GPU or Triton's interpreter",
 )
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def assert_ulps(got: torch.Tensor, want: torch.Tensor) -> None:
-    """got equals want to one unit in the last place of want's dtype, and in fp16 (and bf16
-    on a GPU) nearly everywhere to the bit: a rounding step left out or taken in another
-    order changes a quarter of the values by one unit. bf16 in the interpreter truncates
-    each rounding: three units. fp32 rounds nothing lower, but the sum and rsqrt differ."""
-    assert got.dtype == want.dtype and got.shape == want.shape
-    exact = want.dtype == torch.float16 or (want.dtype == torch.bfloat16 and DEV.type == "cuda")
-    most = {torch.float32: 16, torch.float16: 1}.get(want.dtype, 1 if exact else 3)
-    info = torch.finfo(want.dtype)
-    w = want.detach().float()
-    ulp = info.eps * torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(info.tiny))))
-    off = ((got.float() - w).abs() / ulp).max().item()
-    assert off <= most, f"{off} units in the last place apart"
-    same = (got == want).float().mean().item()
-    assert not exact or same >= 0.95, f"only {same:.1%} of the values equal to the bit"
 
 
 def _norm(n: int, dtype: torch.dtype, seed: int) -> RMSNorm:
@@ -135,11 +117,6 @@ def test_the_plan_reads_the_knob_once(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = KernelPlan.at_start(torch.device("cuda"), torch.bfloat16, backend)
     assert not plan.fused and plan.elementwise is None and plan.gemv is None
     assert plan.flashinfer is None and plan.rope_store is None
-
-
-def ours_only(dtype: torch.dtype) -> KernelPlan:
-    """A plan with our elementwise kernels and nothing else, for CPU tensors too."""
-    return KernelPlan(dtype, True, None, elementwise, None, None, None)
 
 
 def test_layers_run_our_kernels_in_place(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -27,10 +27,17 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
-from helpers import TINY, Driver, all_logits, free_port, make_engine, need
+from helpers import (
+    TINY,
+    Driver,
+    all_logits,
+    free_port,
+    make_engine,
+    need,
+    oracle_drafter,
+    ours_only,
+)
 from safetensors.torch import save_file
-from test_elementwise import ours_only
-from test_speculative import oracle_drafter
 
 from minisgl.attention.fi import FlashInferBackend
 from minisgl.attention.torch_backend import TorchAttnBackend
@@ -558,19 +565,29 @@ def test_kernel_launches_fit_a_block_at_head_dim_512() -> None:
     assert (long.block_m, long.block_n, long.stages) == (32, 16, 3)  # 64 x 512 fp32 spills
 
 
-@pytest.mark.parametrize("name", ["E2B", "qwen3.5-0.8B"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "E2B",
+        "qwen3.5-0.8B",  # [ch31]
+    ],
+)
 def test_fp8_kv_scales_land_on_the_pool_layer_a_layer_stores_in(tmp_path, name) -> None:
     """A checkpoint numbers its KV scales by model layer; the pool numbers only the layers
     that store KV. E2B's last 20 layers store none (they read their source's keys, so its
     scale); Qwen3.5-0.8B's attention layers are every fourth (3, 7, ...), pool layers 0, 1, ...
     Each pool layer gets its own model layer's scales, and each layer attends with those of
     the layer whose keys it reads."""
-    from test_qwen3_5 import PUBLISHED as QWEN
-
     from minisgl.models.families import attention_layers, kv_pool_layers, kv_source
     from minisgl.quant.kv_scales import KVScales, use_kv_scales
 
-    raw = PUBLISHED[name] if name == "E2B" else QWEN["0.8B"]
+    raw = PUBLISHED.get(name)
+    # >>> ch31 Qwen3.5-0.8B's published config
+    if name == "qwen3.5-0.8B":
+        from helpers import QWEN3_5_PUBLISHED
+
+        raw = QWEN3_5_PUBLISHED["0.8B"]
+    # <<< ch31
     (tmp_path / "config.json").write_text(json.dumps(raw))
     mc = ModelConfig.from_path(tmp_path)
     layout = KVLayout.of(mc, 4096)

@@ -3,8 +3,8 @@ the kernel plan gives it to Gemma 3, Gemma 4 and Qwen3.5's norms where fused ker
 
 Gemma's norm scales by a float32 weight before it rounds (Llama's rounds, then scales), so
 its bf16 and fp16 results differ from chapter 20's kernel's in the last place: these tests
-hold the kernel to Gemma's rounding (test_elementwise.py's tolerance: one unit in fp16,
-three in bf16 where the interpreter truncates its casts).
+hold the kernel to Gemma's rounding (chapter 20's tolerance, helpers.assert_ulps: one unit in
+fp16, three in bf16 where the interpreter truncates its casts).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import os
 
 import pytest
 import torch
-from test_elementwise import DEV, DTYPES, assert_ulps, ours_only
+from helpers import DEV, DTYPES, assert_ulps, ours_only
 
 from minisgl.kernels.gemma_norm import gemma_fused_add_rmsnorm, gemma_rmsnorm
 from minisgl.layers import activation

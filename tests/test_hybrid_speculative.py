@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, need
+from helpers import TINY, need, oracle_drafter
 from test_qwen3_5 import TEXT, VOCAB, _perturb, token_ids
-from test_speculative import oracle_drafter
 
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig, check_model_files

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY, Driver, all_logits, make_engine, need
-from test_elementwise import ours_only
+from helpers import QWEN3_5_PUBLISHED as PUBLISHED
+from helpers import TINY, Driver, all_logits, make_engine, need, ours_only
 
 from minisgl.core import Batch, SamplingParams
 from minisgl.engine.config import EngineConfig, check_model_files
@@ -198,35 +198,7 @@ def test_what_a_hybrid_cannot_do_fails_by_name(folders, monkeypatch) -> None:
         make_engine(path, num_page_override=None, max_running_req=64)
 
 
-# ---- the published configs: Qwen3.5-0.8B and 9B (values from their config.json) ----------
-
-
-def published(hidden: int, inter: int, layers: int, heads: int, kv: int, value_heads: int,
-              tied: bool) -> dict[str, Any]:  # fmt: skip
-    text = dict(
-        model_type="qwen3_5_text", vocab_size=248320, hidden_size=hidden,
-        intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=256, attn_output_gate=True, attention_bias=False,
-        full_attention_interval=4,
-        layer_types=["linear_attention", "linear_attention", "linear_attention",
-                     "full_attention"] * (layers // 4),
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
-        linear_num_value_heads=value_heads, linear_conv_kernel_dim=4, mamba_ssm_dtype="float32",
-        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
-                         "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
-                         "mrope_interleaved": True},
-        max_position_embeddings=262144, rms_norm_eps=1e-6, hidden_act="silu",
-        mtp_num_hidden_layers=1, tie_word_embeddings=tied, dtype="bfloat16",
-    )  # fmt: skip
-    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
-            "text_config": text, "vision_config": {"depth": 12},
-            "tie_word_embeddings": tied}  # fmt: skip
-
-
-PUBLISHED = {
-    "0.8B": published(1024, 3584, 24, 8, 2, 16, True),
-    "9B": published(4096, 12288, 32, 16, 4, 32, False),
-}
+# ---- the published configs: Qwen3.5-0.8B and 9B (helpers.py holds them) -----------------
 
 
 @pytest.mark.parametrize(("name", "state_mb", "kv_kb"), [("0.8B", 18, 12), ("9B", 48, 32)])

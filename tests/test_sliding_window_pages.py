@@ -17,11 +17,11 @@ window 8: full pages are page ids only). With pages of 1 and 4 tokens:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
-from helpers import TINY, all_logits, make_engine, need
+from helpers import all_logits, make_engine, windowed_models
+from helpers import windowed_token_ids as token_ids
 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.env import ENV
@@ -30,53 +30,12 @@ from minisgl.llm import LLM
 from minisgl.scheduler.window_cache import WindowCacheManager
 
 TOL = 1e-4
-VOCAB = 256
-S, F = "sliding_attention", "full_attention"
-WINDOWS = {"gemma4": 8, "gemma3": 12, "mistral": 8}
-
-
-def _configs() -> dict[str, Any]:
-    from transformers import Gemma3TextConfig, Gemma4TextConfig, MistralConfig
-
-    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, bos_token_id=1,
-                 max_position_embeddings=128, eos_token_id=2, pad_token_id=0)  # fmt: skip
-    return {
-        "gemma4": Gemma4TextConfig(
-            **small, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
-            head_dim=16, global_head_dim=32, layer_types=[S, S, F] * 2, sliding_window=8,
-            num_kv_shared_layers=2, hidden_size_per_layer_input=8,
-            vocab_size_per_layer_input=VOCAB, final_logit_softcapping=30.0,
-            architectures=["Gemma4ForCausalLM"],
-        ),
-        "gemma3": Gemma3TextConfig(
-            **small, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, sliding_window=12, query_pre_attn_scalar=24, layer_types=[S, F],
-            architectures=["Gemma3ForCausalLM"],
-        ),
-        "mistral": MistralConfig(
-            **small, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            sliding_window=8, architectures=["MistralForCausalLM"],
-        ),
-    }  # fmt: skip
+WINDOWS = {"gemma4": 8, "gemma3": 12, "mistral": 8}  # helpers.windowed_configs' windows
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from transformers import AutoModelForCausalLM
-
-    root, tok, out = tmp_path_factory.mktemp("swa"), need(TINY["llama"]), {}
-    for name, config in _configs().items():
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        with torch.no_grad():  # every weight random, norms included
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.1)
-        model.save_pretrained(root / name)
-        for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (tok / f).is_file():
-                (root / name / f).write_bytes((tok / f).read_bytes())
-        out[name] = root / name
-    return out
+    return windowed_models(tmp_path_factory.mktemp("swa"))
 
 
 def hf_model(path: Path):
@@ -92,10 +51,6 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         for _ in range(n):
             out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
     return out[len(ids) :]
-
-
-def token_ids(seed: int, n: int) -> list[int]:
-    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # ---- teacher forcing through the cache manager --------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from helpers import CPU, SMOL, TINY, need, serving
+from helpers import CPU, SMOL, TINY, need, oracle_drafter, serving
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
@@ -165,22 +165,6 @@ def test_tiny_models_greedy_equal_under_chunks_cache_preemption(name, page_size,
     assert spec.num_accepted > 0
     if pages < 2048:
         assert pre > 0  # too few pages for the four together: some are preempted
-
-
-def oracle_drafter(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
-    """Drafts from a plain run's own output, up to 3, the second one wrong every third step:
-    verify steps that accept all, some and none of their drafts."""
-
-    def draft(req: Req, k: int) -> list[int]:
-        ids = req.input_ids.tolist()
-        i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
-        done = len(ids) - len(prompts[i])
-        tokens = want[i][done : done + min(3, k)]
-        if done % 3 == 0 and len(tokens) > 1:
-            tokens[1] = (tokens[1] + 1) % vocab  # the model will not agree with this one
-        return tokens
-
-    return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
 
 
 def test_oracle_drafts_with_wrong_tokens_on_the_moe_model(monkeypatch) -> None:
