@@ -635,11 +635,15 @@ def test_reasoning_splits_alike_whole_and_streamed():
     gemma = (["<|chan", "nel>thought\nI see", ".<chan", "nel|>Paris"], ("I see.", "Paris"))
     styles = ["think"] * len(cases) + ["channel"]  # Gemma 4's thought channel
     cases.append((False, *gemma))
-    for (opened, pieces, want), style in zip(cases, styles):
+    thinking = [4, 3, 0, 0, 1, 4]  # the pieces up to the one that closes the block
+    for (opened, pieces, want), style, count in zip(cases, styles, thinking):
         split = Reasoning(opened, style)
-        got = [split.stream(0, p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        got = [split.stream(0, p, i == len(pieces) - 1, i + 1) for i, p in enumerate(pieces)]
         assert ("".join(r for r, _ in got), "".join(c for _, c in got)) == want, pieces
         assert Reasoning(opened, style).whole("".join(pieces)) == want
+        whole = Reasoning(opened, style)
+        assert whole.whole(pieces, 0, len(pieces)) == want
+        assert split.tokens.get(0, 0) == whole.tokens.get(0, 0) == count, pieces
 
 
 @pytest.fixture(scope="module")
@@ -662,12 +666,18 @@ def test_a_thinking_answer_has_its_reasoning_apart(thinking):
     answer is reasoning, whole or streamed alike; with `enable_thinking: false` in
     `chat_template_kwargs` the prompt opens none and the answer is content."""
     ask = {"model": "m", "messages": ASK, "temperature": 0, "max_tokens": 12}
-    whole = thinking.chat.completions.create(**ask).choices[0].message
+    answer = thinking.chat.completions.create(**ask)
+    whole = answer.choices[0].message
     reasoning = whole.model_extra.get("reasoning_content")
     assert reasoning and whole.content == ""
-    pieces = [c.choices[0].delta for c in thinking.chat.completions.create(**ask, stream=True)]
+    tokens = answer.usage.completion_tokens
+    assert answer.usage.completion_tokens_details.reasoning_tokens == tokens
+    usage = {"stream_options": {"include_usage": True}}
+    chunks = list(thinking.chat.completions.create(**ask, stream=True, **usage))
+    pieces = [c.choices[0].delta for c in chunks if c.choices]
     streamed = "".join(d.model_extra.get("reasoning_content") or "" for d in pieces)
     assert streamed == reasoning and not "".join(d.content or "" for d in pieces)
+    assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == tokens
     off = {**ask, "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
     plain = thinking.chat.completions.create(**off).choices[0].message
     assert plain.content and plain.model_extra.get("reasoning_content") is None

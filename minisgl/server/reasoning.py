@@ -11,8 +11,10 @@ no such block, whose answers stay as they are).
 A chat answer's text is then split as it streams: the reasoning until `</think>` (a tag cut
 between two pieces waits for the next), then the content; the blank lines that open each
 are dropped.
-A whole answer is split by the same code in one piece, so whole and streamed agree. An
-answer cut short inside the block is all reasoning.
+A whole answer is split by the same code, its pieces fed one at a time, so whole and
+streamed agree. An answer cut short inside the block is all reasoning. Each piece is one
+token, so the reasoning's tokens are counted as it goes: those up to the last piece inside
+the block (the closing tag's included), OpenAI's `reasoning_tokens`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 # A block's opening and closing: Qwen's tags, and Gemma 4's thought channel (special tokens,
 # kept in the text where the template writes them: tokenizer/tools.py).
 STYLES = {"think": ("<think>", "</think>"), "channel": ("<|channel>thought", "<channel|>")}
+INSIDE = ("lead", "think")  # the parts of a split inside the block
 
 
 @dataclass
@@ -42,16 +45,33 @@ class Reasoning:
     opened: bool
     style: str = "think"  # of STYLES
     splits: dict[int, Split] = field(default_factory=dict)  # by choice index
+    tokens: dict[int, int] = field(default_factory=dict)  # by choice: its reasoning's tokens
 
-    def stream(self, index: int, text: str, final: bool) -> tuple[str, str]:
-        """A choice's next piece of text as (reasoning, content); `final`: the last piece."""
+    def stream(self, index: int, text: str, final: bool, tokens: int = 0) -> tuple[str, str]:
+        """A choice's next piece of text as (reasoning, content); `final`: the last piece;
+        `tokens`: the choice's tokens so far."""
         split = self.splits.setdefault(index, Split("lead" if self.opened else "start"))
-        return feed(split, text, final, *STYLES[self.style])
+        return self._feed(split, index, text, final, tokens)
 
-    def whole(self, text: str) -> tuple[str, str]:
-        """A whole answer as (reasoning, content)."""
-        split = Split("lead" if self.opened else "start")
-        return feed(split, text, True, *STYLES[self.style])
+    def whole(self, pieces: str | list[str], index: int = 0, tokens: int = 0) -> tuple[str, str]:
+        """A whole answer as (reasoning, content), from its text or its pieces (a token
+        each, `tokens` of them: the last may have none)."""
+        pieces = [pieces] if isinstance(pieces, str) else pieces or [""]
+        split, thought, content = Split("lead" if self.opened else "start"), "", ""
+        for i, piece in enumerate(pieces):
+            final = i == len(pieces) - 1
+            r, c = self._feed(split, index, piece, final, min(i + 1, tokens))
+            thought, content = thought + r, content + c
+        return thought, content
+
+    def _feed(
+        self, split: Split, index: int, text: str, final: bool, tokens: int
+    ) -> tuple[str, str]:
+        inside = split.part in INSIDE
+        out = feed(split, text, final, *STYLES[self.style])
+        if inside or split.part in INSIDE:
+            self.tokens[index] = tokens
+        return out
 
 
 def feed(split: Split, text: str, final: bool, OPEN: str, CLOSE: str) -> tuple[str, str]:  # noqa: N803

@@ -26,14 +26,18 @@ class ResponseShape:
         self.tools: ToolOutput | None = None  # where the answer may hold tool calls  # [ch25]
         self.reasoning: Reasoning | None = None  # a thinking model's, apart  # [ch25]
 
-    def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, int]:
+    def usage(self, choices: list[Choice], prompt_tokens: int) -> dict[str, Any]:
         completion = sum(c.tokens for c in choices)
         # The n choices share one prompt, counted once (as OpenAI does).
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion,
         }
+        if self.reasoning is not None:  # [ch25]
+            thought = sum(self.reasoning.tokens.values())  # [ch25]
+            usage["completion_tokens_details"] = {"reasoning_tokens": thought}  # [ch25]
+        return usage
 
     def _logprobs(self, c: Choice, start: int) -> Any:
         """The logprobs of the choice's tokens from `start` on, in the endpoint's shape."""
@@ -68,7 +72,8 @@ class ResponseShape:
             if self.chat:
                 body["message"] = {"role": "assistant", "content": text}
                 if self.reasoning is not None:  # [ch25]
-                    thought, body["message"]["content"] = self.reasoning.whole(text)  # [ch25]
+                    split = self.reasoning.whole(c.text, c.index, c.tokens)  # [ch25]
+                    thought, body["message"]["content"] = split  # [ch25]
                     body["message"]["reasoning_content"] = thought or None  # [ch25]
                 if self.tools is not None:  # [ch25]
                     self.tools.whole(body)  # [ch25]
@@ -93,7 +98,8 @@ class ResponseShape:
             delta: dict[str, Any] = {"content": text}
             if self.reasoning is not None:  # [ch25]
                 final = c.finish_reason is not None  # [ch25]
-                thought, delta["content"] = self.reasoning.stream(c.index, text, final)  # [ch25]
+                split = self.reasoning.stream(c.index, text, final, c.tokens)  # [ch25]
+                thought, delta["content"] = split  # [ch25]
                 if thought:  # [ch25]
                     delta["reasoning_content"] = thought  # [ch25]
             body = self.chunk_choice(c.index, delta, c.finish_reason)
@@ -104,7 +110,7 @@ class ResponseShape:
         body["logprobs"] = self._logprobs(c, len(c.logprobs) - len(logprobs))
         return body
 
-    def event(self, choices: list[dict], usage: dict[str, int] | None = None) -> str:
+    def event(self, choices: list[dict], usage: dict[str, Any] | None = None) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         chunk: dict[str, Any] = {
             "id": self.id,

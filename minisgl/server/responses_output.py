@@ -51,7 +51,6 @@ class Answer:
         self.body, self.model, self.prompt_tokens, self.tools = body, model, prompt_tokens, tools
         self.reasoning = reasoning  # where the template writes think blocks
         self.thought, self.content = "", ""  # the answer's text, split
-        self.reasoning_tokens = 0  # the tokens up to the last one inside the block
         self.id, self.created = _id("resp"), int(time.time())
         now = time.perf_counter()
         self.choice = Choice(uid, 0, started=now, arrived=now)
@@ -119,14 +118,13 @@ class Answer:
         if self.reasoning is None:
             self.content += text
             return "", text
-        inside = ("lead", "think")
-        split = self.reasoning.splits.get(0)
-        before = split.part if split is not None else "lead" if self.reasoning.opened else "start"
-        thought, content = self.reasoning.stream(0, text, final)
-        if before in inside or self.reasoning.splits[0].part in inside:
-            self.reasoning_tokens = self.choice.tokens
+        thought, content = self.reasoning.stream(0, text, final, self.choice.tokens)
         self.thought, self.content = self.thought + thought, self.content + content
         return thought, content
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.reasoning.tokens.get(0, 0) if self.reasoning is not None else 0
 
     # ---- the items, whole --------------------------------------------------------------
 
