@@ -2,11 +2,12 @@
 with KV pages) cannot do yet, refused or turned off by name at start-up; and its setting.
 
 - Speculative decoding: a verify step advances the state over every draft, and only some
-  are accepted. The linear layers keep the state after each position of a verify step and
-  the speculator rolls each request's slot back to its accepted length
-  (`RecurrentStatePool.keep_accepted`), conv state included. That runs on the torch path,
-  so verify graphs are off for hybrids (`verify_graph_blocker`). A hybrid draft model is
-  refused: its own state would need the same after every verify.
+  are accepted. The linear layers keep what the verify computed and the speculator rolls
+  each request's slot back to its accepted length (`RecurrentStatePool.keep_accepted`),
+  conv state included. On the torch path that roll back holds the forward's own tensors,
+  so verify graphs are off there (`verify_graph_blocker`); our kernels keep them in the
+  pool's buffers, and verify graphs run. A hybrid draft model is refused: its own state
+  would need the same after every verify.
 - Tensor parallelism cuts the linear layers by key heads (each rank the value heads that
   read its keys): a tp_size that does not divide linear_num_key_heads, or the shared
   expert's width, is refused here, by name, rather than when a rank builds its layers.
@@ -87,13 +88,16 @@ def check_hybrid(config: Any) -> None:
         raise ValueError(f"cannot split {arch} over {config.tp_size} ranks: {'; '.join(problems)}")
 
 
+def _our_kernels(device_type: str) -> bool:
+    choice = ENV.GATED_DELTA.value
+    return choice == "triton" or (choice == "auto" and device_type == "cuda")
+
+
 def graph_blocker(model_config: ModelConfig, device_type: str) -> str | None:
     """Why a model's prefill graphs are off (None: they may run): a hybrid's linear layers
     on the torch path pad a prefill's requests by lengths read on the host. Our kernels
     (the default on CUDA) read them on the device, from the graphs' buffers."""
-    choice = ENV.GATED_DELTA.value
-    kernels = choice == "triton" or (choice == "auto" and device_type == "cuda")
-    if model_config.linear is None or kernels:
+    if model_config.linear is None or _our_kernels(device_type):
         return None
     return (
         "the linear-attention layers' torch path pads a prefill's requests by their lengths "
@@ -102,9 +106,14 @@ def graph_blocker(model_config: ModelConfig, device_type: str) -> str | None:
     )
 
 
-def verify_graph_blocker(model_config: ModelConfig) -> str | None:
-    """Why verify graphs are off (None: they may run): each forward of a hybrid's verify
-    leaves its roll back with the state pool, in Python, which a graph's replay would skip."""
-    if model_config.linear is None:
+def verify_graph_blocker(model_config: ModelConfig, device_type: str) -> str | None:
+    """Why verify graphs are off (None: they may run): on the torch path each forward of a
+    hybrid's verify leaves its roll back with the state pool, holding that forward's own
+    tensors, which a graph's replay would not renew. Our kernels' roll back reads fixed
+    buffers that the verify writes, replayed or not (kvcache/state_pool.py `keep_verify`)."""
+    if model_config.linear is None or _our_kernels(device_type):
         return None
-    return "a hybrid's verify step leaves its roll back with the state pool at each forward"
+    return (
+        "the linear layers' torch path leaves each verify's roll back with the state pool, "
+        "holding that forward's tensors (MINISGL_GATED_DELTA=triton keeps them in buffers)"
+    )

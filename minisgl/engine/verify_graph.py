@@ -53,7 +53,8 @@ def plan_verify_graphs(
     config = shape.config
     if config.speculative == "off" or not any(k.shapes for k in plan.kinds):
         return []  # no graphs at all (off, or the model or backend cannot be captured)
-    if verify_graph_blocker(shape.model_config) is not None:  # a hybrid's  # [ch31]
+    if (why := verify_graph_blocker(shape.model_config, shape.device.type)) is not None:  # [ch31]
+        logger.info("verify graphs off: %s", why)  # [ch31]
         return []  # [ch31]
     max_bs = min(config.speculative_max_bs, config.max_running_req)
     max_tokens = min(max_bs * (config.num_draft_tokens + 1), plan.max_seq_len)

@@ -68,6 +68,7 @@ class RecurrentStatePool:
         conv_dtype: torch.dtype,
         device: torch.device,
         num_snapshots: int = 0,  # saved states the prefix cache may hold
+        verify: tuple[int, int] = (0, 0),  # tokens and requests a verify step holds at most
     ) -> None:
         s = shape
         self.num_slots, self.num_snapshots, self.device = num_slots, num_snapshots, device
@@ -83,13 +84,34 @@ class RecurrentStatePool:
         self.saved_conv = torch.empty(saved + conv[2:], dtype=conv_dtype, device=device)
         self.saved_ssm = torch.empty(saved + ssm[2:], dtype=torch.float32, device=device)
         # A verify step's roll back, by linear layer (its forward leaves the slots as they
-        # were): each takes the drafts accepted and writes the slots, in `keep_accepted`.
-        self.kept: dict[int, Callable[[torch.Tensor], None]] = {}
+        # were): each takes the batch and the drafts accepted and writes the slots, in
+        # `keep_accepted`.
+        self.kept: dict[int, Callable[[Batch, torch.Tensor], None]] = {}
+        # What our kernels' roll back reads, by linear layer: the verify's tokens' qkv before
+        # and after the conv, their gates a and b, and its requests' conv states before it.
+        # Fixed buffers that a verify writes, so a verify graph's replay (which runs no
+        # Python) leaves them as an eager verify does; the torch path keeps its own tensors.
+        tokens, reqs = verify if self.kernels == "triton" else (0, 0)
+        like = {"dtype": conv_dtype, "device": device}
+        self.verify_qkv = torch.empty((2, num_layers, tokens, s.conv_dim), **like)
+        self.verify_ab = torch.empty((2, num_layers, tokens, s.num_value_heads), **like)
+        self.verify_conv = torch.empty((num_layers, reqs) + conv[2:], **like)
 
     @property
     def bytes(self) -> int:
         tensors = (self.conv, self.ssm, self.saved_conv, self.saved_ssm)
+        tensors += (self.verify_qkv, self.verify_ab, self.verify_conv)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+    @staticmethod
+    def verify_bytes(
+        num_layers: int, shape: LinearAttention, dtype: torch.dtype, verify: tuple[int, int]
+    ) -> int:
+        """The buffers of our kernels' roll back, for `verify` (tokens, requests) at most."""
+        s, (tokens, reqs) = shape, verify
+        per_token = 2 * (s.conv_dim + s.num_value_heads)
+        per_req = s.conv_dim * (s.conv_kernel - 1)
+        return num_layers * (tokens * per_token + reqs * per_req) * dtype.itemsize
 
     @staticmethod
     def bytes_per_slot(num_layers: int, shape: LinearAttention, conv_dtype: torch.dtype) -> int:
@@ -128,10 +150,27 @@ class RecurrentStatePool:
     def keep_accepted(self, batch: Batch, accepted: torch.Tensor) -> None:
         """After a verify step, each request's state as if only its last token and its
         `accepted` [reqs] drafts had been run: every linear layer replays those tokens from
-        the state before the verify (layers/gated_deltanet.py `_roll_back`)."""
+        the state before the verify (layers/gated_deltanet.py `_roll_back`). The roll backs
+        stay: a verify graph's replay sets none, and our kernels' read only the buffers."""
         for roll_back in self.kept.values():
-            roll_back(accepted)
-        self.kept.clear()
+            roll_back(batch, accepted)
+
+    def keep_verify(
+        self, layer: int, qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor,
+        b: torch.Tensor, conv_before: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """A linear layer's verify inputs into the roll back's buffers (our kernels)."""
+        tokens, reqs = qkv.size(0), conv_before.size(0)
+        if tokens > self.verify_qkv.size(2) or reqs > self.verify_conv.size(1):
+            raise RuntimeError(
+                f"a verify step of {tokens} tokens and {reqs} requests; the state pool was "
+                f"sized for {self.verify_qkv.size(2)} and {self.verify_conv.size(1)}"
+            )
+        self.verify_qkv[0, layer, :tokens] = qkv
+        self.verify_qkv[1, layer, :tokens] = mixed
+        self.verify_ab[0, layer, :tokens] = a
+        self.verify_ab[1, layer, :tokens] = b
+        self.verify_conv[layer, :reqs] = conv_before
 
     def graph_buffers(self, num_reqs: int, dummy_req: Req) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphs' static buffers of state slots and token offsets (engine/graph.py), for
@@ -188,6 +227,18 @@ def snapshot_count(config: Any) -> int:
     return config.state_snapshots
 
 
+def verify_capacity(shape: EngineShape) -> tuple[int, int]:
+    """The tokens and requests (padding included) of a verify step at most, where our
+    kernels run the linear layers of a speculating engine: (0, 0) elsewhere. A verify takes
+    at most speculative_max_bs requests of num_draft_tokens drafts each (speculative/step.py);
+    a verify graph pads with one filler request (engine/verify_graph.py)."""
+    config = shape.config
+    if config.speculative == "off" or gated_delta_kernels(shape.device) != "triton":
+        return 0, 0
+    max_bs = min(config.speculative_max_bs, config.max_running_req)
+    return max_bs * (config.num_draft_tokens + 1), max_bs + 1
+
+
 def _per_slot(shape: EngineShape) -> tuple[int, int]:
     """(linear layers, the bytes of one slot's state on this rank: every linear layer's conv
     and SSM)."""
@@ -203,8 +254,13 @@ def state_pool_bytes(shape: EngineShape) -> int:
     page-table row and every snapshot (0 for a model without linear layers)."""
     if shape.model_config.linear is None:
         return 0
-    config = shape.config
-    return _per_slot(shape)[1] * (config.max_running_req + 1 + snapshot_count(config))
+    config, per_slot = shape.config, _per_slot(shape)[1]
+    return per_slot * (config.max_running_req + 1 + snapshot_count(config)) + _verify_bytes(shape)
+
+
+def _verify_bytes(shape: EngineShape) -> int:
+    layers, linear = _per_slot(shape)[0], rank_linear(shape.model_config)
+    return RecurrentStatePool.verify_bytes(layers, linear, shape.dtype, verify_capacity(shape))
 
 
 def budget_after_states(shape: EngineShape, budget: int, per_page: int) -> int:
@@ -216,7 +272,7 @@ def budget_after_states(shape: EngineShape, budget: int, per_page: int) -> int:
         return budget
     config, per_slot = shape.config, _per_slot(shape)[1]
     if config.state_snapshots is None and snapshot_count(config):  # the default, not naive
-        left = budget - per_slot * (config.max_running_req + 1)
+        left = budget - per_slot * (config.max_running_req + 1) - _verify_bytes(shape)
         # A snapshot sits on a radix node of one page or more: no more than a full pool holds.
         pages = config.max_running_req * cdiv(shape.max_seq_len, config.page_size)
         count = min(max(0, int(left * SNAPSHOT_SHARE) // per_slot), pages)
@@ -243,8 +299,9 @@ def make_state_pool(shape: EngineShape, rows: int) -> RecurrentStatePool | None:
     linear_layers, per_slot = _per_slot(shape)
     snapshots = snapshot_count(shape.config)
     pool = RecurrentStatePool(
-        linear_layers, rows, rank_linear(mc), shape.dtype, shape.device, snapshots
-    )
+        linear_layers, rows, rank_linear(mc), shape.dtype, shape.device, snapshots,
+        verify_capacity(shape),
+    )  # fmt: skip
     logger.info(
         "recurrent state pool: %d linear layers x %d slots (%d requests + the dummy) and "
         "%d prefix-cache snapshots, %s each, %s in all",

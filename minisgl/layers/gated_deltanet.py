@@ -35,7 +35,8 @@ Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -260,7 +261,7 @@ class GatedDeltaNet(nn.Module):
         o, ssm_after = rule(q, k, v, g, beta, ssm[slots])
         if batch.phase == "verify":  # the slots keep the state before it, for the roll back
             inputs = torch.cat([conv_before.to(x.dtype), x.transpose(1, 2)], dim=-1)
-            pool.kept[self.index] = lambda accepted: self._roll_back(
+            pool.kept[self.index] = lambda batch, accepted: self._roll_back(
                 pool, slots[: batch.size], inputs, k, v, g, beta, accepted
             )
         else:
@@ -329,10 +330,8 @@ class GatedDeltaNet(nn.Module):
             rows = torch.arange(slots.size(0), device=slots.device)
             mixed = gated_delta.conv_varlen(qkv, weight, conv_before.clone(), rows, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, work, rows, offsets, self.shape)
-            n = batch.size
-            pool.kept[self.index] = lambda accepted: self._roll_back_kernels(
-                pool, slots[:n], offsets[: n + 1], qkv, mixed, a, b, conv_before, accepted, rule
-            )
+            pool.keep_verify(self.index, qkv, mixed, a, b, conv_before)
+            pool.kept[self.index] = partial(self._roll_back_kernels, pool, rule)
         else:
             mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
@@ -340,16 +339,21 @@ class GatedDeltaNet(nn.Module):
         return self.norm(o, z.view_as(o))
 
     def _roll_back_kernels(
-        self, pool: RecurrentStatePool, slots: torch.Tensor, offsets: torch.Tensor,
-        qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-        conv_before: torch.Tensor, accepted: torch.Tensor, rule,
-    ) -> None:  # fmt: skip
+        self, pool: RecurrentStatePool, rule: Any, batch: Batch, accepted: torch.Tensor
+    ) -> None:
         """`_roll_back` in our kernels, after a verify that ran on copies of the states: each
         slot runs the rule again over its request's tokens from the state before the verify,
         with the tokens after its `accepted` drafts masked out (a = b = -inf: a decay of 1
         and a write strength of 0 leave the state as it was), and its conv state becomes its
-        last K - 1 inputs up to its last accepted token. On the device, without a wait."""
-        tokens, width = qkv.size(0), pool.conv.size(-1)  # K - 1
+        last K - 1 inputs up to its last accepted token. On the device, without a wait. It
+        reads the verify's inputs from the pool's buffers (`keep_verify`) and the live batch's
+        slots and offsets, its requests first: what a verify graph's replay leaves too."""
+        n, tokens, i = batch.size, sum(r.extend_len for r in batch.reqs), self.index
+        slots, offsets = batch.state_slots[:n], batch.state_offsets[: n + 1]
+        qkv, mixed = pool.verify_qkv[0, i, :tokens], pool.verify_qkv[1, i, :tokens]
+        a, b = pool.verify_ab[0, i, :tokens], pool.verify_ab[1, i, :tokens]
+        conv_before = pool.verify_conv[i, :n]
+        width = pool.conv.size(-1)  # K - 1
         t = torch.arange(tokens, device=qkv.device)
         req = torch.searchsorted(offsets[1:], t, right=True).clamp(max=slots.size(0) - 1)
         keep = (t - offsets[req] <= accepted[req])[:, None]  # [T, 1]: the token was accepted
