@@ -42,7 +42,7 @@ from helpers import (
 
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
-from minisgl.message.backend import UserMsg
+from minisgl.message.backend import AbortMsg, UserMsg
 from minisgl.message.codec import decode, encode
 from minisgl.message.dashboard import WatchMsg
 from minisgl.scheduler.observe import Observer
@@ -106,6 +106,39 @@ def test_nothing_is_recorded_without_a_lease(llm):
     time.sleep(0.1)  # the lease runs out: the next publish turns the record off
     assert observer.publish([]) is None and not observer.log.on
     assert observer.log not in llm.scheduler.listeners
+
+
+def test_tokens_wait_to_be_counted_until_a_snapshot(llm):
+    """Between snapshots a step's tokens are kept as they are (no work a token on the step
+    loop); a snapshot counts them, each request's tokens and first token, and an abort
+    counts the aborted request's tokens before it ends."""
+    s = llm.scheduler
+    observer = Observer(s)
+    observer.receive([WatchMsg(30.0)])
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    msgs = [UserMsg(7000 + i, list(range(20 + i, 30 + i)), params) for i in range(2)]
+    observer.receive(msgs)
+    s.receive(msgs)
+    observer.next_at = float("inf")  # no snapshot due while there is work
+    seen: Counter[int] = Counter()
+    while seen[7001] < 2:
+        tokens = s.step()
+        seen.update(t.uid for t in tokens)
+        assert observer.publish(tokens) is None
+    assert observer.pending and observer.reqs[7001]["output_tokens"] == 0  # not counted yet
+    abort = [AbortMsg(7001)]
+    observer.receive(abort)
+    s.receive(abort)
+    assert not observer.pending
+    (ended,) = observer.finished
+    assert ended["id"] == 7001 and ended["reason"] == "abort"
+    assert ended["output_tokens"] == seen[7001] and ended["ttft_ms"] is not None
+    snapshot = None
+    while s.has_work or snapshot is None:  # idle, the state is sent whatever the time
+        snapshot = observer.publish(s.step())
+    done = {f["id"]: f for f in snapshot.finished}
+    assert done[7000]["output_tokens"] == 6 and done[7000]["ttft_ms"] is not None
+    assert snapshot.counters["tokens_per_s"] > 0
 
 
 def test_snapshot_is_the_schedulers_state(llm):
