@@ -11,20 +11,24 @@ answers, batched. Without the roll back the same run gives other tokens, so the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, need, oracle_drafter
+from helpers import QWEN3_5_PUBLISHED, TINY, need, oracle_drafter
 from test_qwen3_5 import TEXT, VOCAB, _perturb, token_ids
 
 from minisgl.core import SamplingParams
 from minisgl.engine.config import EngineConfig, check_model_files
+from minisgl.engine.startup import EngineShape
 from minisgl.env import ENV
-from minisgl.kvcache.state_pool import RecurrentStatePool
+from minisgl.kvcache.state_pool import RecurrentStatePool, state_pool_bytes, verify_capacity
 from minisgl.llm import LLM
+from minisgl.models.config import ModelConfig
+from minisgl.models.families import LinearAttention
 from minisgl.speculative.ngram import NgramDrafter
 
 pytestmark = pytest.mark.usefixtures("serial")
@@ -167,6 +171,44 @@ def test_verify_graphs_of_our_kernels_roll_back_from_their_buffers(
     assert verifies and any(size < padded for _, size, padded in verifies)
     assert 0 < spec.num_accepted < spec.num_drafted
     assert (got == plain) == roll_back
+
+
+def test_the_verify_buffers_are_sized_and_counted(tmp_path, monkeypatch) -> None:
+    """Our kernels' verify buffers hold the largest verify: 8 requests of 8 drafts (72
+    tokens; 9 rows with a graph's filler), for Qwen3.5-0.8B's 18 linear layers their qkv
+    before and after the conv, a and b, and 9 conv states, in the state pool's bytes; none
+    without speculation or on the torch path. A larger verify is an error, not a write past
+    them."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_PUBLISHED["0.8B"]))
+    mc = ModelConfig.from_path(tmp_path)
+
+    def shape(**kw) -> EngineShape:
+        config = EngineConfig(str(tmp_path), device="cpu", max_running_req=16, **kw)
+        return EngineShape(config, mc, torch.device("cpu"), torch.bfloat16, torch.bfloat16,
+                           4096, mc.num_heads, mc.num_kv_heads, 0)  # fmt: skip
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
+    plain, spec = shape(state_snapshots=1), shape(state_snapshots=1, speculative="ngram")
+    assert verify_capacity(plain) == (0, 0) and verify_capacity(spec) == (72, 9)
+    conv_dim, heads = 6144, 16
+    want = 18 * (72 * 2 * (conv_dim + heads) + 9 * conv_dim * 3) * 2  # bf16
+    assert state_pool_bytes(spec) - state_pool_bytes(plain) == want  # 36 MiB
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "torch")
+    assert verify_capacity(spec) == (0, 0)
+
+    monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
+    small = LinearAttention(1, 2, 4, 4, 4)
+    pool = RecurrentStatePool(2, 3, small, torch.float32, torch.device("cpu"), verify=(4, 2))
+    assert pool.bytes == RecurrentStatePool.verify_bytes(2, small, torch.float32, (4, 2)) + (
+        RecurrentStatePool.bytes_per_slot(2, small, torch.float32) * 3
+    )
+    qkv, ab = torch.ones(5, small.conv_dim), torch.ones(5, 2)
+    conv = torch.ones(2, small.conv_dim, 3)
+    with pytest.raises(RuntimeError, match="sized for 4 and 2"):
+        pool.keep_verify(0, qkv, qkv, ab, ab, conv)
+    pool.keep_verify(1, qkv[:4], qkv[:4] * 2, ab[:4], ab[:4], conv)
+    assert pool.verify_qkv[1, 1].sum() == 2 * 4 * small.conv_dim
 
 
 def test_a_hybrid_draft_model_is_refused(model) -> None:
