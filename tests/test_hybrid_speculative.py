@@ -128,8 +128,8 @@ def test_our_kernels_verify_on_copies_and_roll_back(model, plain, monkeypatch, r
 
 
 class Frozen(dict):
-    """`RecurrentStatePool.kept` once the engine is built: the roll backs its capture left
-    stay, whatever a later forward sets, as when a CUDA graph replays (no Python runs)."""
+    """`RecurrentStatePool.replays` once the engine is built: those its capture left stay,
+    whatever a later forward sets, as when a CUDA graph replays (no Python runs)."""
 
     frozen = False
 
@@ -145,29 +145,29 @@ def test_verify_graphs_of_our_kernels_roll_back_from_their_buffers(
 ):
     """With our kernels verify graphs run for a hybrid (emulated on a CPU): partly wrong
     drafts, verified in graphs padded with a filler request, give the plain tokens, though
-    the roll backs are the ones the capture left (a replay sets none: they read the pool's
-    buffers, which every verify writes, and the live batch); without the roll back, other
-    tokens."""
+    the layers' replays are the ones the capture left (a graph's replay sets none: the roll
+    back reads the pool's buffers, which every verify writes, and the live batch); without
+    the roll back, other tokens."""
     monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
     monkeypatch.setattr(NgramDrafter, "propose", oracle(plain))
     if not roll_back:
         monkeypatch.setattr(RecurrentStatePool, "keep_accepted", lambda self, batch, acc: None)
     llm = LLM(str(model), **KW, speculative="ngram", **SPEC, cuda_graph_max_bs=4)
     pool, runner = llm.engine.state_pool, llm.engine.graph_runner
-    kept = Frozen(pool.kept)
-    pool.kept, kept.frozen = kept, True
-    assert len(kept) == 3 and runner.graphs("verify")  # the three linear layers' roll backs
-    replays, replay = [], type(runner).replay
+    replays = Frozen(pool.replays)
+    pool.replays, replays.frozen = replays, True
+    assert len(replays) == 3 and runner.graphs("verify")  # the three linear layers' rules
+    graphed, replay = [], type(runner).replay
 
     def logged(batch):
-        replays.append((batch.phase, batch.size, batch.padded_size))
+        graphed.append((batch.phase, batch.size, batch.padded_size))
         return replay(runner, batch)
 
     runner.replay = logged
     got = [o["token_ids"] for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     spec = llm.scheduler.spec
     llm.shutdown()
-    verifies = [r for r in replays if r[0] == "verify"]
+    verifies = [r for r in graphed if r[0] == "verify"]
     assert verifies and any(size < padded for _, size, padded in verifies)
     assert 0 < spec.num_accepted < spec.num_drafted
     assert (got == plain) == roll_back

@@ -83,14 +83,16 @@ class RecurrentStatePool:
         saved = (num_layers, num_snapshots)
         self.saved_conv = torch.empty(saved + conv[2:], dtype=conv_dtype, device=device)
         self.saved_ssm = torch.empty(saved + ssm[2:], dtype=torch.float32, device=device)
-        # A verify step's roll back, by linear layer (its forward leaves the slots as they
-        # were): each takes the batch and the drafts accepted and writes the slots, in
-        # `keep_accepted`.
-        self.kept: dict[int, Callable[[Batch, torch.Tensor], None]] = {}
-        # What our kernels' roll back reads, by linear layer: the verify's tokens' qkv before
-        # and after the conv, their gates a and b, and its requests' conv states before it.
-        # Fixed buffers that a verify writes, so a verify graph's replay (which runs no
-        # Python) leaves them as an eager verify does; the torch path keeps its own tensors.
+        # A verify step's roll back on the torch path, by linear layer (its forward leaves the
+        # slots as they were): each takes the drafts accepted and writes the slots, in
+        # `keep_accepted`, holding the forward's own tensors.
+        self.kept: dict[int, Callable[[torch.Tensor], None]] = {}
+        # Our kernels' instead: by linear layer, its rule run again over given tokens and gates
+        # (`replay(mixed, a, b, slots, offsets)`), set by the layer's first verify. What they
+        # read: the verify's tokens' qkv before and after the conv, their gates a and b, and
+        # its requests' conv states before it, in fixed buffers that a verify writes, so a
+        # verify graph's replay (which runs no Python) leaves them as an eager verify does.
+        self.replays: dict[int, Callable[..., None]] = {}
         tokens, reqs = verify if self.kernels == "triton" else (0, 0)
         like = {"dtype": conv_dtype, "device": device}
         self.verify_qkv = torch.empty((2, num_layers, tokens, s.conv_dim), **like)
@@ -150,10 +152,37 @@ class RecurrentStatePool:
     def keep_accepted(self, batch: Batch, accepted: torch.Tensor) -> None:
         """After a verify step, each request's state as if only its last token and its
         `accepted` [reqs] drafts had been run: every linear layer replays those tokens from
-        the state before the verify (layers/gated_deltanet.py `_roll_back`). The roll backs
-        stay: a verify graph's replay sets none, and our kernels' read only the buffers."""
+        the state before the verify (layers/gated_deltanet.py `_roll_back`)."""
         for roll_back in self.kept.values():
-            roll_back(batch, accepted)
+            roll_back(accepted)
+        self.kept.clear()
+        if self.replays:
+            self._roll_back_ours(batch, accepted)
+
+    def _roll_back_ours(self, batch: Batch, accepted: torch.Tensor) -> None:
+        """The roll back of our kernels' verify, which ran on copies of the states: each
+        layer runs its rule again over each request's tokens from the state before the
+        verify, those after its `accepted` drafts given a = b = -inf (a decay of 1 and a
+        write strength of 0 leave the state as it was); each conv state becomes its last
+        K - 1 inputs up to its last accepted token. From the buffers and the live batch
+        (its requests first), the masks and the conv states for every layer at once: a few
+        kernels and a rule a layer, on the device, without a wait."""
+        n, tokens = batch.size, sum(r.extend_len for r in batch.reqs)
+        slots, offsets = batch.state_slots[:n], batch.state_offsets[: n + 1]
+        t = torch.arange(tokens, device=self.device)
+        req = torch.searchsorted(offsets[1:], t, right=True).clamp(max=n - 1)
+        rejected = (t - offsets[req] > accepted[req])[None, None, :, None]  # [1, 1, T, 1]
+        ab = self.verify_ab[:, :, :tokens].masked_fill(rejected, float("-inf"))
+        for layer, replay in self.replays.items():
+            replay(self.verify_qkv[1, layer, :tokens], ab[0, layer], ab[1, layer], slots, offsets)
+        # the conv states: entries accepted + 1 .. accepted + K - 1 of (state before, inputs)
+        width = self.conv.size(-1)  # K - 1
+        at = accepted[:n, None] + 1 + torch.arange(width, device=self.device)  # [B, K - 1]
+        token = (offsets[:-1, None] + at - width).clamp(0, tokens - 1)
+        inputs = self.verify_qkv[0][:, token].transpose(2, 3)  # [L, B, conv_dim, K - 1]
+        before = self.verify_conv[:, :n]
+        before = before.gather(3, at.clamp(max=width - 1)[None, :, None, :].expand_as(inputs))
+        self.conv[:, slots] = torch.where((at >= width)[None, :, None, :], inputs, before)
 
     def keep_verify(
         self, layer: int, qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor,

@@ -261,7 +261,7 @@ class GatedDeltaNet(nn.Module):
         o, ssm_after = rule(q, k, v, g, beta, ssm[slots])
         if batch.phase == "verify":  # the slots keep the state before it, for the roll back
             inputs = torch.cat([conv_before.to(x.dtype), x.transpose(1, 2)], dim=-1)
-            pool.kept[self.index] = lambda batch, accepted: self._roll_back(
+            pool.kept[self.index] = lambda accepted: self._roll_back(
                 pool, slots[: batch.size], inputs, k, v, g, beta, accepted
             )
         else:
@@ -331,39 +331,18 @@ class GatedDeltaNet(nn.Module):
             mixed = gated_delta.conv_varlen(qkv, weight, conv_before.clone(), rows, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, work, rows, offsets, self.shape)
             pool.keep_verify(self.index, qkv, mixed, a, b, conv_before)
-            pool.kept[self.index] = partial(self._roll_back_kernels, pool, rule)
+            pool.replays[self.index] = partial(self._replay, pool, rule)
         else:
             mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
         o = o.to(qkv.dtype)
         return self.norm(o, z.view_as(o))
 
-    def _roll_back_kernels(
-        self, pool: RecurrentStatePool, rule: Any, batch: Batch, accepted: torch.Tensor
-    ) -> None:
-        """`_roll_back` in our kernels, after a verify that ran on copies of the states: each
-        slot runs the rule again over its request's tokens from the state before the verify,
-        with the tokens after its `accepted` drafts masked out (a = b = -inf: a decay of 1
-        and a write strength of 0 leave the state as it was), and its conv state becomes its
-        last K - 1 inputs up to its last accepted token. On the device, without a wait. It
-        reads the verify's inputs from the pool's buffers (`keep_verify`) and the live batch's
-        slots and offsets, its requests first: what a verify graph's replay leaves too."""
-        n, tokens, i = batch.size, sum(r.extend_len for r in batch.reqs), self.index
-        slots, offsets = batch.state_slots[:n], batch.state_offsets[: n + 1]
-        qkv, mixed = pool.verify_qkv[0, i, :tokens], pool.verify_qkv[1, i, :tokens]
-        a, b = pool.verify_ab[0, i, :tokens], pool.verify_ab[1, i, :tokens]
-        conv_before = pool.verify_conv[i, :n]
-        width = pool.conv.size(-1)  # K - 1
-        t = torch.arange(tokens, device=qkv.device)
-        req = torch.searchsorted(offsets[1:], t, right=True).clamp(max=slots.size(0) - 1)
-        keep = (t - offsets[req] <= accepted[req])[:, None]  # [T, 1]: the token was accepted
-        a_kept, b_kept = (x.masked_fill(~keep, float("-inf")) for x in (a, b))
+    def _replay(
+        self, pool: RecurrentStatePool, rule: Any, mixed: torch.Tensor, a: torch.Tensor,
+        b: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """This layer's rule over a verify's tokens again, into the slots: the roll back of
+        our kernels (kvcache/state_pool.py `_roll_back_ours`, which masks the gates)."""
         ssm = pool.ssm[self.index]
-        rule(mixed, a_kept, b_kept, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
-        # the conv state: entries accepted + 1 .. accepted + K - 1 of (state before, inputs)
-        at = accepted[:, None] + 1 + torch.arange(width, device=qkv.device)  # [B, K - 1]
-        token = (offsets[:-1, None] + at - width).clamp(0, tokens - 1)
-        inputs = qkv[token].transpose(1, 2)  # [B, conv_dim, K - 1]
-        before = conv_before.gather(2, at.clamp(max=width - 1)[:, None, :].expand_as(inputs))
-        window = torch.where((at >= width)[:, None, :], inputs.to(before.dtype), before)
-        pool.conv[self.index][slots] = window
+        rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
