@@ -144,7 +144,13 @@ def test_cache_aware_routing_reuses_more_prefix_than_round_robin(workers):
         try:
             models = httpx.get(r.base + "/v1/models", timeout=10).json()["data"]
             assert [m["id"] for m in models] == [MODEL]  # the name, not "unknown"
-            flushed = httpx.post(r.base + "/flush_cache", timeout=30)  # to every worker
+            # to every worker: ready with one, the router may not have checked the other yet
+            deadline = time.monotonic() + 30
+            while True:
+                flushed = httpx.post(r.base + "/flush_cache", timeout=30)
+                if flushed.json().get("workers_flushed") == 2 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
             assert flushed.status_code == 200 and flushed.json()["workers_flushed"] == 2
             names = ("cached_tokens", "prompt_tokens")
             before = totals(workers, *names)
