@@ -685,6 +685,40 @@ def test_a_thinking_answer_has_its_reasoning_apart(thinking):
         thinking.chat.completions.create(**ask, extra_body={"chat_template_kwargs": {"tools": []}})
 
 
+def test_a_reasoning_effort_is_the_templates_switch(thinking):
+    """A template that reads `enable_thinking` takes effort "none" as thinking off and any
+    other as on, in chat and Responses alike; one that reads `reasoning_effort` gets it as
+    sent; a contradiction, or the effort in chat_template_kwargs, is a 400."""
+    from minisgl.tokenizer.tokenizer import with_effort
+
+    ask = {"model": "m", "messages": ASK, "temperature": 0, "max_tokens": 12}
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    plain = thinking.chat.completions.create(**ask, extra_body=off).choices[0].message
+    none = thinking.chat.completions.create(**ask, reasoning_effort="none").choices[0].message
+    assert none.content == plain.content and none.model_extra.get("reasoning_content") is None
+    low = thinking.chat.completions.create(**ask, reasoning_effort="low").choices[0].message
+    assert low.model_extra.get("reasoning_content") and low.content == ""
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
+    with pytest.raises(openai.BadRequestError, match="contradicts enable_thinking"):
+        thinking.chat.completions.create(**ask, reasoning_effort="none", extra_body=on)
+    sneaked = {"chat_template_kwargs": {"reasoning_effort": "high"}}
+    with pytest.raises(openai.BadRequestError, match="set by the server"):
+        thinking.chat.completions.create(**ask, extra_body=sneaked)
+
+    asked = {"model": "m", "input": ASK, "temperature": 0, "max_output_tokens": 12}
+    quiet = thinking.responses.create(**asked, reasoning={"effort": "none"})
+    assert [o.type for o in quiet.output] == ["message"] and quiet.output_text == plain.content
+    assert quiet.reasoning.effort == "none"
+    deep = thinking.responses.create(**asked, reasoning={"effort": "high", "summary": "auto"})
+    assert [o.type for o in deep.output] == ["reasoning"]
+    assert deep.output[0].content[0].text == low.model_extra["reasoning_content"]
+
+    gpt_oss = "Reasoning: {{ reasoning_effort | default('medium') }}"
+    assert with_effort(gpt_oss, {"reasoning_effort": "low"}) == {"reasoning_effort": "low"}
+    with pytest.raises(ValueError, match="reads no reasoning effort"):
+        with_effort("{{ messages }}", {"reasoning_effort": "low"})
+
+
 def test_a_responses_answer_has_its_reasoning_first_whole_and_streamed():
     """Qwen3's form (the model opens and closes the block), then the answer: a reasoning item
     and a message, alike whole and streamed; the events are the ones OpenAI's client knows;

@@ -45,6 +45,7 @@ Text = Annotated[str, AfterValidator(_unicode)]
 Stop = Annotated[str, Field(max_length=limits.MAX_STOP_CHARS), AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, lt=INT64_END)]  # the vocabulary's bound is the server's
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]  # added to a logit
+Effort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]  # OpenAI's  # [ch25]
 
 
 class APIError(Exception):
@@ -253,6 +254,8 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: bool = True  # [ch25]
     # more variables for the chat template, e.g. {"enable_thinking": false}  # [ch25]
     chat_template_kwargs: dict[str, Any] | None = None  # [ch25]
+    # how hard a thinking model thinks: "none" turns thinking off (with_effort)  # [ch25]
+    reasoning_effort: Effort | None = None  # [ch25]
 
     @field_validator("chat_template_kwargs")  # [ch25]
     @classmethod  # [ch25]
@@ -306,7 +309,12 @@ class ChatCompletionRequest(_Common):
 
     def template_vars(self) -> dict[str, Any]:
         tools = calling.template_tools(self.tools, self.tool_choice)
-        return {**(self.chat_template_kwargs or {}), **({} if tools is None else {"tools": tools})}
+        variables = dict(self.chat_template_kwargs or {})
+        if tools is not None:
+            variables["tools"] = tools
+        if self.reasoning_effort is not None:
+            variables["reasoning_effort"] = self.reasoning_effort
+        return variables
 
     # <<< ch25
 
@@ -314,6 +322,7 @@ class ChatCompletionRequest(_Common):
 # >>> ch25 the chat template's own variables
 # What the server itself gives the template: a request may not set these.
 TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+TEMPLATE_OWN += ("reasoning_effort",)
 
 
 def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -13,7 +13,9 @@ With `store` (the default) the server keeps the latest responses in memory (STOR
 so that a request can go on from one by its `previous_response_id` (that response's input
 and output come before the new input, its instructions do not), and `GET
 /v1/responses/{id}` returns it. A field of the API that the server cannot honour (hosted
-tools, background runs, conversations, a reasoning effort) is a 400 naming it, never dropped.
+tools, background runs, conversations) is a 400 naming it, never dropped. A reasoning effort
+goes to the template as chat's `reasoning_effort` does; the reasoning comes back whole, as
+`reasoning_text`, whatever summary was asked for.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pydantic import (
 from minisgl.message.frontend import TokenizeMsg
 from minisgl.sampling_params import SamplingParams
 from minisgl.server.frontend import Frontend
-from minisgl.server.protocol import INT64_END, APIError, ChatCompletionRequest, Text
+from minisgl.server.protocol import INT64_END, APIError, ChatCompletionRequest, Effort, Text
 from minisgl.server.reasoning import Reasoning
 from minisgl.server.responses_output import Answer, stream, whole
 from minisgl.server.tool_parsers import is_object
@@ -185,12 +187,18 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "background": (None, False),
     "conversation": (None,),
     "prompt": (None,),
-    "reasoning": (None,),  # or fields that are all null
     "include": (None, []),
     "truncation": (None, "disabled"),
     "top_logprobs": (None, 0),
     "max_tool_calls": (None,),
 }
+
+
+class ReasoningConfig(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    effort: Effort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # the text comes whole
 
 
 class ResponsesRequest(BaseModel):
@@ -207,6 +215,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: Literal["none", "auto", "required"] | NamedTool = "auto"
     parallel_tool_calls: bool = True
     text: TextConfig = TextConfig()
+    reasoning: ReasoningConfig = ReasoningConfig()
     store: bool = True
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
@@ -268,6 +277,7 @@ class ResponsesRequest(BaseModel):
             tool_choice=self.chat_tool_choice(),
             parallel_tool_calls=self.parallel_tool_calls,
             response_format=self.text.format.chat(),
+            reasoning_effort=self.reasoning.effort,
         )
 
     def chat_tool_choice(self) -> Any:

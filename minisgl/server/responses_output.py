@@ -94,7 +94,7 @@ class Answer:
             "previous_response_id": body.previous_response_id,
             "store": body.store,
             "metadata": body.metadata or {},
-            "reasoning": {"effort": None, "summary": None},
+            "reasoning": body.reasoning.model_dump(),
             "truncation": "disabled",
             "usage": {
                 "input_tokens": self.prompt_tokens,

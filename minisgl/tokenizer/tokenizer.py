@@ -52,6 +52,7 @@ class Tokenizer:
         """The prompt for a conversation; `variables` are what else the template reads (tools)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template: send plain completions instead")
+        variables = with_effort(self.chat_template, variables)  # [ch25]
         if "tools" not in self.chat_template:  # it knows no tools: write them out  # [ch25]
             messages = tools_in_messages(messages, variables.pop("tools", None))  # [ch25]
         return _compile(self.chat_template).render(
@@ -70,6 +71,30 @@ class Tokenizer:
         if self.eos_token is not None and (i := self.rust.token_to_id(self.eos_token)) is not None:
             ids.add(i)
         return ids
+
+
+# >>> ch25 a reasoning effort
+def with_effort(template: str, variables: dict[str, Any]) -> dict[str, Any]:
+    """A request's `reasoning_effort`, in the words its template reads: the name itself where
+    the template reads it (gpt-oss's), else `enable_thinking` (Qwen3's, Qwen3.5's, Gemma 4's,
+    SmolLM3's): off for "none", on for any other effort, for such a model thinks at one
+    level. A template that reads neither cannot honour one: an error, not a dropped field."""
+    effort = variables.get("reasoning_effort")
+    if effort is None or "reasoning_effort" in template:
+        return variables
+    if "enable_thinking" not in template:
+        raise ValueError(
+            "this model's chat template reads no reasoning effort (neither reasoning_effort"
+            " nor enable_thinking): leave it out"
+        )
+    on = effort != "none"
+    if variables.get("enable_thinking", on) != on:
+        asked = variables["enable_thinking"]
+        raise ValueError(f"reasoning effort {effort!r} contradicts enable_thinking: {asked}")
+    return {**variables, "enable_thinking": on}
+
+
+# <<< ch25
 
 
 def _read_json(path: Path) -> dict[str, Any]:
