@@ -36,6 +36,8 @@ write only the dummy request's slot.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -327,20 +329,36 @@ def recurrent_varlen(
 ) -> torch.Tensor:
     """The gated delta rule over each request's tokens from its slot's state, which then
     holds the state after its last token: the output [T, value heads, dv] in float32."""
-    s = shape
+    block_v = min(block_v, triton.next_power_of_2(shape.value_head_dim))
+    args = (mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape)
+    meta = dict(BLOCK_DK=triton.next_power_of_2(shape.key_head_dim), BLOCK_V=block_v)
+    return _launch_varlen(_recurrent_varlen_kernel, *args, **meta)
+
+
+def varlen_out(mixed: torch.Tensor, ssm_state: torch.Tensor, s: LinearAttention) -> torch.Tensor:
+    """A varlen rule's output, [T, value heads, dv] in float32, once its inputs are checked."""
     assert mixed.stride(1) == 1 and ssm_state.dtype == torch.float32
     assert ssm_state.stride(3) == 1 and ssm_state.stride(2) == s.value_head_dim
+    shape = (mixed.size(0), s.num_value_heads, s.value_head_dim)
+    return mixed.new_empty(shape, dtype=torch.float32)
+
+
+def _launch_varlen(
+    kernel: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
+    s: LinearAttention, **meta: Any,
+) -> torch.Tensor:  # fmt: skip
+    # a program per request, value head and block of v; the token-by-token and chunk rules
+    # take the same arguments
+    out = varlen_out(mixed, ssm_state, s)
     dk, dv = s.key_head_dim, s.value_head_dim
-    out = mixed.new_empty(mixed.size(0), s.num_value_heads, dv, dtype=torch.float32)
-    block_v = min(block_v, triton.next_power_of_2(dv))
-    grid = (slots.size(0), s.num_value_heads, triton.cdiv(dv, block_v))
-    _recurrent_varlen_kernel[grid](
+    grid = (slots.size(0), s.num_value_heads, triton.cdiv(dv, meta["BLOCK_V"]))
+    kernel[grid](
         mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, out, dk**-0.5,
         mixed.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), ssm_state.stride(1),
         out.stride(0), out.stride(1),
-        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
-        PER_KEY=s.num_value_heads // s.num_key_heads,
-        BLOCK_DK=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv, PER_KEY=s.num_value_heads // s.num_key_heads,
+        **meta,
     )  # fmt: skip
     return out
 
@@ -421,23 +439,12 @@ def chunked_varlen(
 ) -> torch.Tensor:
     """`recurrent_varlen`'s result, CHUNK tokens at a step: within a chunk the tokens' writes
     solve one small triangular system, and the rest is matmuls (the torch path's chunk form)."""
-    s = shape
-    assert mixed.stride(1) == 1 and ssm_state.dtype == torch.float32
-    assert ssm_state.stride(3) == 1 and ssm_state.stride(2) == s.value_head_dim
-    dk, dv = s.key_head_dim, s.value_head_dim
-    out = mixed.new_empty(mixed.size(0), s.num_value_heads, dv, dtype=torch.float32)
-    block_v = min(block_v, triton.next_power_of_2(dv))
-    grid = (slots.size(0), s.num_value_heads, triton.cdiv(dv, block_v))
-    _chunked_varlen_kernel[grid](
-        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, out, dk**-0.5,
-        mixed.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), ssm_state.stride(1),
-        out.stride(0), out.stride(1),
-        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
-        PER_KEY=s.num_value_heads // s.num_key_heads,
-        BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_V=max(16, block_v), CHUNK=CHUNK,
-        IEEE=mixed.dtype == torch.float32,
-    )  # fmt: skip
-    return out
+    block_v = max(16, min(block_v, triton.next_power_of_2(shape.value_head_dim)))
+    args = (mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape)
+    block_dk = max(16, triton.next_power_of_2(shape.key_head_dim))
+    ieee = mixed.dtype == torch.float32
+    meta = dict(BLOCK_DK=block_dk, BLOCK_V=block_v, CHUNK=CHUNK, IEEE=ieee)
+    return _launch_varlen(_chunked_varlen_kernel, *args, **meta)
 
 
 def _check(

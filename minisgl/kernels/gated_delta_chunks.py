@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.attention import _dot
-from minisgl.kernels.gated_delta import SEARCH
+from minisgl.kernels.gated_delta import SEARCH, varlen_out
 from minisgl.models.families import LinearAttention
 
 CHUNK = 64  # tokens a chunk: the walk's steps are this long
@@ -179,8 +179,7 @@ def chunks_varlen(
     """`chunked_varlen`'s result, in two passes: every chunk's own work at once, then each
     request's chunks in order against its state. The output [T, value heads, dv] in float32."""
     s = shape
-    assert mixed.stride(1) == 1 and ssm_state.dtype == torch.float32
-    assert ssm_state.stride(3) == 1 and ssm_state.stride(2) == s.value_head_dim
+    out = varlen_out(mixed, ssm_state, s)
     tokens, reqs = mixed.size(0), slots.size(0)
     if reqs >= 2**SEARCH:
         raise ValueError(f"{reqs} requests in one prefill; it takes at most {2**SEARCH - 1}")
@@ -188,7 +187,6 @@ def chunks_varlen(
     w, u = mixed.new_empty(tokens, hv, dk), mixed.new_empty(tokens, hv, dv)
     scores = mixed.new_empty(tokens, hv, CHUNK)
     cs = mixed.new_empty(tokens, hv, dtype=torch.float32)
-    out = mixed.new_empty(tokens, hv, dv, dtype=torch.float32)
     common = dict(
         KEY_DIM=s.num_key_heads * dk, HV=hv, DK=dk, DV=dv,
         PER_KEY=hv // s.num_key_heads, BLOCK_DK=max(16, triton.next_power_of_2(dk)),
