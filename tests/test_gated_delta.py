@@ -244,6 +244,35 @@ def test_chunked_and_recurrent_kernels_agree() -> None:
 
 
 @triton_only
+def test_the_rule_in_all_layers_at_once_equals_a_layer_at_a_time() -> None:
+    """`recurrent_layers` (the roll back's one launch): each layer's own tokens, gates, gate
+    parameters and states, as `recurrent_varlen` a layer at a time leaves them; tokens whose
+    gates are -inf (rejected drafts) leave a state as it was."""
+    from minisgl.kernels import gated_delta
+
+    s, lengths, slots = SHAPE, [5, 0, 3], torch.tensor([2, 0, 1])
+    layers, tokens, heads = 2, sum(lengths), s.num_value_heads
+    gen = torch.Generator().manual_seed(7)
+    mixed = torch.randn(layers, tokens, s.conv_dim, generator=gen)
+    a, b = torch.randn(2, layers, tokens, heads, generator=gen)
+    a[1, 5:], b[1, 5:] = float("-inf"), float("-inf")  # layer 1's third request: all rejected
+    A_log, dt_bias = torch.rand(layers, heads, generator=gen), torch.randn(layers, heads)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    one, each = make_pool(), make_pool()
+    gated_delta.recurrent_layers(mixed, a, b, A_log, dt_bias, one.ssm, slots, offsets, s)
+    for i in range(layers):
+        args = (mixed[i], a[i], b[i], A_log[i], dt_bias[i], each.ssm[i], slots, offsets, s)
+        gated_delta.recurrent_varlen(*args)
+    assert close(one.ssm, each.ssm, 1e-6)
+    fresh = make_pool().ssm
+    assert not torch.equal(one.ssm[0, 1], fresh[0, 1]) and not torch.equal(
+        one.ssm[1, 2], fresh[1, 2]
+    )
+    assert close(one.ssm[1, 1], fresh[1, 1], 1e-6)  # decay 1, write strength 0: as it was
+    assert torch.equal(one.ssm[:, 0], fresh[:, 0])  # the empty request's slot
+
+
+@triton_only
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
 def test_two_pass_kernels_equal_the_token_by_token_recurrence(dtype, tol) -> None:
     """kernels/gated_delta_chunks.py against the token-by-token kernel in float32: requests

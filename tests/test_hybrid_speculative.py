@@ -128,7 +128,7 @@ def test_our_kernels_verify_on_copies_and_roll_back(model, plain, monkeypatch, r
 
 
 class Frozen(dict):
-    """`RecurrentStatePool.replays` once the engine is built: those its capture left stay,
+    """`RecurrentStatePool.gates` once the engine is built: those its capture left stay,
     whatever a later forward sets, as when a CUDA graph replays (no Python runs)."""
 
     frozen = False
@@ -145,8 +145,8 @@ def test_verify_graphs_of_our_kernels_roll_back_from_their_buffers(
 ):
     """With our kernels verify graphs run for a hybrid (emulated on a CPU): partly wrong
     drafts, verified in graphs padded with a filler request, give the plain tokens, though
-    the layers' replays are the ones the capture left (a graph's replay sets none: the roll
-    back reads the pool's buffers, which every verify writes, and the live batch); without
+    the layers' gate parameters are those the capture left (a graph's replay sets none: the
+    roll back reads the pool's buffers, which every verify writes, and the live batch); without
     the roll back, other tokens."""
     monkeypatch.setattr(ENV.GATED_DELTA, "value", "triton")
     monkeypatch.setattr(NgramDrafter, "propose", oracle(plain))
@@ -154,9 +154,9 @@ def test_verify_graphs_of_our_kernels_roll_back_from_their_buffers(
         monkeypatch.setattr(RecurrentStatePool, "keep_accepted", lambda self, batch, acc: None)
     llm = LLM(str(model), **KW, speculative="ngram", **SPEC, cuda_graph_max_bs=4)
     pool, runner = llm.engine.state_pool, llm.engine.graph_runner
-    replays = Frozen(pool.replays)
-    pool.replays, replays.frozen = replays, True
-    assert len(replays) == 3 and runner.graphs("verify")  # the three linear layers' rules
+    gates = Frozen(pool.gates)
+    pool.gates, gates.frozen = gates, True
+    assert len(gates) == 3 and runner.graphs("verify")  # the three linear layers' own
     graphed, replay = [], type(runner).replay
 
     def logged(batch):

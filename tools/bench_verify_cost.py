@@ -186,6 +186,7 @@ PHASES = [
     ("forward (launched)", "engine", "logits"),
     ("sampling (launched)", "engine", "sample_logits"),
     ("acceptance (launched)", "module", "accept_drafts"),
+    ("a hybrid's states rolled back (launched)", "pool", "keep_accepted"),
     ("copy back and wait for the device", "spec", "_read_back"),
     ("emit the accepted tokens", "spec", "_emit"),
 ]
@@ -203,14 +204,15 @@ def timeline(bench: Bench, batch: int, k: int) -> dict[str, dict[str, float]]:
         "cache": bench.sched.cache,
         "engine": bench.llm.engine,
         "module": step_module,
+        "pool": bench.llm.engine.state_pool,  # None but for a hybrid
     }
     table: dict[str, dict[str, float]] = {}
     for side, mode in (("verify", "verify"), ("decode", "plain")):
         clock = Clock()
         wraps = {}
         for name, owner, attr in PHASES:
-            obj = owners[owner]
-            wraps[(obj, attr)] = clock.wrap(name, getattr(obj, attr))
+            if (obj := owners[owner]) is not None:
+                wraps[(obj, attr)] = clock.wrap(name, getattr(obj, attr))
         with patched(wraps):
             steps = bench.run(batch, mode, k, on=clock)
         interval = sum(s for _, s in steps) / len(steps)

@@ -36,8 +36,6 @@ write only the dummy request's slot.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -288,12 +286,22 @@ def conv_varlen(
 @triton.jit
 def _recurrent_varlen_kernel(
     Mixed, A, Bp, ALog, DtBias, SSM, Slots, Offsets, Out,
-    scale,
+    scale, reqs,
     stride_m, stride_a, stride_b, stride_ss, stride_sh, stride_ot, stride_oh,
+    layer_m, layer_a, layer_b, layer_g, layer_s,
     KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, OUT: tl.constexpr,
 ):  # fmt: skip
-    r, hv = tl.program_id(0), tl.program_id(1)
+    # program 0's axis is (layer, request): several layers at once, each with its own
+    # tokens, gates, gate parameters and states, `layer_*` apart (the roll back's way)
+    layer, r = (tl.program_id(0) // reqs).to(tl.int64), tl.program_id(0) % reqs
+    Mixed += layer * layer_m
+    A += layer * layer_a
+    Bp += layer * layer_b
+    ALog += layer * layer_g
+    DtBias += layer * layer_g
+    SSM += layer * layer_s
+    hv = tl.program_id(1)
     h = hv // PER_KEY
     start, end = tl.load(Offsets + r), tl.load(Offsets + r + 1)
     slot = tl.load(Slots + r).to(tl.int64)
@@ -311,7 +319,8 @@ def _recurrent_varlen_kernel(
         v = tl.load(x + 2 * KEY_DIM + hv * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
         g, beta = _gates(A, Bp, ALog, DtBias, t, hv, stride_a, stride_b)
         S, o = _delta_step(S, _l2normed(q) * scale, _l2normed(k), v, g, beta)
-        tl.store(Out + t * stride_ot + hv * stride_oh + offs_v, o, mask=mv)
+        if OUT:
+            tl.store(Out + t * stride_ot + hv * stride_oh + offs_v, o, mask=mv)
     tl.store(s_ptrs, S, mask=smask & (end + 0 * offs_v > start)[None, :])  # an empty one: no
 
 
@@ -329,10 +338,54 @@ def recurrent_varlen(
 ) -> torch.Tensor:
     """The gated delta rule over each request's tokens from its slot's state, which then
     holds the state after its last token: the output [T, value heads, dv] in float32."""
-    block_v = min(block_v, triton.next_power_of_2(shape.value_head_dim))
-    args = (mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape)
-    meta = dict(BLOCK_DK=triton.next_power_of_2(shape.key_head_dim), BLOCK_V=block_v)
-    return _launch_varlen(_recurrent_varlen_kernel, *args, **meta)
+    out = varlen_out(mixed, ssm_state, shape)
+    one = (mixed, a, b, A_log, dt_bias, ssm_state)
+    _recurrent(*(t[None] for t in one), slots, offsets, shape, block_v, out)
+    return out
+
+
+def recurrent_layers(
+    mixed: torch.Tensor,  # [L, T, conv_dim]: each layer's q, k and v after the conv
+    a: torch.Tensor,  # [L, T, value heads]
+    b: torch.Tensor,  # [L, T, value heads]
+    A_log: torch.Tensor,  # [L, value heads]
+    dt_bias: torch.Tensor,  # [L, value heads]
+    ssm_state: torch.Tensor,  # [L, slots, value heads, dk, dv] float32, updated in place
+    slots: torch.Tensor,  # [B]
+    offsets: torch.Tensor,  # [B + 1]
+    shape: LinearAttention,
+    block_v: int = 32,
+) -> None:
+    """`recurrent_varlen` in L layers at once, their states only (no output): one launch where
+    a loop over the layers would launch one each (a verify's roll back, where the host's time
+    a launch is most of the cost)."""
+    assert a.shape[:2] == b.shape[:2] == mixed.shape[:2]
+    assert A_log.size(0) == dt_bias.size(0) == ssm_state.size(0) == mixed.size(0)
+    _recurrent(mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape, block_v, None)
+
+
+def _recurrent(
+    mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
+    s: LinearAttention, block_v: int, out: torch.Tensor | None,
+) -> None:  # fmt: skip
+    # a program per (layer, request), value head and block of v
+    assert mixed.stride(2) == 1 and ssm_state.dtype == torch.float32
+    assert ssm_state.stride(4) == 1 and ssm_state.stride(3) == s.value_head_dim
+    assert A_log.stride() == dt_bias.stride()
+    layers, reqs, dk, dv = mixed.size(0), slots.size(0), s.key_head_dim, s.value_head_dim
+    if not layers or not reqs:
+        return
+    block_v = min(block_v, triton.next_power_of_2(dv))
+    written = out if out is not None else mixed.new_empty(0, 0)
+    _recurrent_varlen_kernel[(layers * reqs, s.num_value_heads, triton.cdiv(dv, block_v))](
+        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, written, dk**-0.5, reqs,
+        mixed.stride(1), a.stride(1), b.stride(1), ssm_state.stride(1), ssm_state.stride(2),
+        written.stride(0), written.stride(1),
+        mixed.stride(0), a.stride(0), b.stride(0), A_log.stride(0), ssm_state.stride(0),
+        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv, PER_KEY=s.num_value_heads // s.num_key_heads,
+        BLOCK_DK=triton.next_power_of_2(dk), BLOCK_V=block_v, OUT=out is not None,
+    )  # fmt: skip
 
 
 def varlen_out(mixed: torch.Tensor, ssm_state: torch.Tensor, s: LinearAttention) -> torch.Tensor:
@@ -341,26 +394,6 @@ def varlen_out(mixed: torch.Tensor, ssm_state: torch.Tensor, s: LinearAttention)
     assert ssm_state.stride(3) == 1 and ssm_state.stride(2) == s.value_head_dim
     shape = (mixed.size(0), s.num_value_heads, s.value_head_dim)
     return mixed.new_empty(shape, dtype=torch.float32)
-
-
-def _launch_varlen(
-    kernel: Any, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
-    dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
-    s: LinearAttention, **meta: Any,
-) -> torch.Tensor:  # fmt: skip
-    # a program per request, value head and block of v; the token-by-token and chunk rules
-    # take the same arguments
-    out = varlen_out(mixed, ssm_state, s)
-    dk, dv = s.key_head_dim, s.value_head_dim
-    grid = (slots.size(0), s.num_value_heads, triton.cdiv(dv, meta["BLOCK_V"]))
-    kernel[grid](
-        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, out, dk**-0.5,
-        mixed.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), ssm_state.stride(1),
-        out.stride(0), out.stride(1),
-        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv, PER_KEY=s.num_value_heads // s.num_key_heads,
-        **meta,
-    )  # fmt: skip
-    return out
 
 
 @triton.jit
@@ -439,12 +472,19 @@ def chunked_varlen(
 ) -> torch.Tensor:
     """`recurrent_varlen`'s result, CHUNK tokens at a step: within a chunk the tokens' writes
     solve one small triangular system, and the rest is matmuls (the torch path's chunk form)."""
-    block_v = max(16, min(block_v, triton.next_power_of_2(shape.value_head_dim)))
-    args = (mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape)
-    block_dk = max(16, triton.next_power_of_2(shape.key_head_dim))
-    ieee = mixed.dtype == torch.float32
-    meta = dict(BLOCK_DK=block_dk, BLOCK_V=block_v, CHUNK=CHUNK, IEEE=ieee)
-    return _launch_varlen(_chunked_varlen_kernel, *args, **meta)
+    s = shape
+    out = varlen_out(mixed, ssm_state, s)
+    dk, dv = s.key_head_dim, s.value_head_dim
+    block_v = max(16, min(block_v, triton.next_power_of_2(dv)))
+    _chunked_varlen_kernel[(slots.size(0), s.num_value_heads, triton.cdiv(dv, block_v))](
+        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, out, dk**-0.5,
+        mixed.stride(0), a.stride(0), b.stride(0), ssm_state.stride(0), ssm_state.stride(1),
+        out.stride(0), out.stride(1),
+        KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv, PER_KEY=s.num_value_heads // s.num_key_heads,
+        BLOCK_DK=max(16, triton.next_power_of_2(dk)), BLOCK_V=block_v, CHUNK=CHUNK,
+        IEEE=mixed.dtype == torch.float32,
+    )  # fmt: skip
+    return out
 
 
 def _check(

@@ -39,6 +39,7 @@ import torch
 from minisgl.core import Batch, Req
 from minisgl.distributed import agree_min, get_tp_info
 from minisgl.env import ENV
+from minisgl.kernels.gated_delta import recurrent_layers
 from minisgl.models.families import LinearAttention, attention_layers
 from minisgl.utils import cdiv, to_device
 
@@ -87,12 +88,15 @@ class RecurrentStatePool:
         # slots as they were): each takes the drafts accepted and writes the slots, in
         # `keep_accepted`, holding the forward's own tensors.
         self.kept: dict[int, Callable[[torch.Tensor], None]] = {}
-        # Our kernels' instead: by linear layer, its rule run again over given tokens and gates
-        # (`replay(mixed, a, b, slots, offsets)`), set by the layer's first verify. What they
-        # read: the verify's tokens' qkv before and after the conv, their gates a and b, and
-        # its requests' conv states before it, in fixed buffers that a verify writes, so a
-        # verify graph's replay (which runs no Python) leaves them as an eager verify does.
-        self.replays: dict[int, Callable[..., None]] = {}
+        # Our kernels' instead: the rule run again over the verify's tokens, in every linear
+        # layer at once, with each layer's gate parameters (A_log, dt_bias), which the layer
+        # gives at its first verify (`gates`, by linear layer). What it reads: the verify's
+        # tokens' qkv before and after the conv, their gates a and b, and its requests' conv
+        # states before it, in fixed buffers that a verify writes, so a verify graph's replay
+        # (which runs no Python) leaves them as an eager verify does.
+        self.shape = shape
+        self.gates: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # [L, heads] each
         tokens, reqs = verify if self.kernels == "triton" else (0, 0)
         like = {"dtype": conv_dtype, "device": device}
         self.verify_qkv = torch.empty((2, num_layers, tokens, s.conv_dim), **like)
@@ -156,7 +160,7 @@ class RecurrentStatePool:
         for roll_back in self.kept.values():
             roll_back(accepted)
         self.kept.clear()
-        if self.replays:
+        if self.gates:
             self._roll_back_ours(batch, accepted)
 
     def _roll_back_ours(self, batch: Batch, accepted: torch.Tensor) -> None:
@@ -165,16 +169,17 @@ class RecurrentStatePool:
         verify, those after its `accepted` drafts given a = b = -inf (a decay of 1 and a
         write strength of 0 leave the state as it was); each conv state becomes its last
         K - 1 inputs up to its last accepted token. From the buffers and the live batch
-        (its requests first), the masks and the conv states for every layer at once: a few
-        kernels and a rule a layer, on the device, without a wait."""
+        (its requests first), the masks, the rule and the conv states for every layer at
+        once: a few kernels, on the device, without a wait."""
         n, tokens = batch.size, sum(r.extend_len for r in batch.reqs)
         slots, offsets = batch.state_slots[:n], batch.state_offsets[: n + 1]
         t = torch.arange(tokens, device=self.device)
         req = torch.searchsorted(offsets[1:], t, right=True).clamp(max=n - 1)
         rejected = (t - offsets[req] > accepted[req])[None, None, :, None]  # [1, 1, T, 1]
         ab = self.verify_ab[:, :, :tokens].masked_fill(rejected, float("-inf"))
-        for layer, replay in self.replays.items():
-            replay(self.verify_qkv[1, layer, :tokens], ab[0, layer], ab[1, layer], slots, offsets)
+        A_log, dt_bias = self._gate_parameters()
+        qkv = self.verify_qkv[1, :, :tokens]
+        recurrent_layers(qkv, ab[0], ab[1], A_log, dt_bias, self.ssm, slots, offsets, self.shape)
         # the conv states: entries accepted + 1 .. accepted + K - 1 of (state before, inputs)
         width = self.conv.size(-1)  # K - 1
         at = accepted[:n, None] + 1 + torch.arange(width, device=self.device)  # [B, K - 1]
@@ -183,6 +188,13 @@ class RecurrentStatePool:
         before = self.verify_conv[:, :n]
         before = before.gather(3, at.clamp(max=width - 1)[None, :, None, :].expand_as(inputs))
         self.conv[:, slots] = torch.where((at >= width)[None, :, None, :], inputs, before)
+
+    def _gate_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every linear layer's A_log and dt_bias, stacked [L, heads] in float32 (once)."""
+        if self._stacked is None:
+            layers = [self.gates[i] for i in range(self.ssm.size(0))]
+            self._stacked = tuple(torch.stack([p[j].float() for p in layers]) for j in (0, 1))
+        return self._stacked
 
     def keep_verify(
         self, layer: int, qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor,

@@ -35,8 +35,7 @@ Two ways to run it, chosen once at start-up (`pool.kernels`, MINISGL_GATED_DELTA
 
 from __future__ import annotations
 
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -331,18 +330,9 @@ class GatedDeltaNet(nn.Module):
             mixed = gated_delta.conv_varlen(qkv, weight, conv_before.clone(), rows, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, work, rows, offsets, self.shape)
             pool.keep_verify(self.index, qkv, mixed, a, b, conv_before)
-            pool.replays[self.index] = partial(self._replay, pool, rule)
+            pool.gates[self.index] = self.A_log, self.dt_bias  # for the roll back
         else:
             mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
         o = o.to(qkv.dtype)
         return self.norm(o, z.view_as(o))
-
-    def _replay(
-        self, pool: RecurrentStatePool, rule: Any, mixed: torch.Tensor, a: torch.Tensor,
-        b: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
-    ) -> None:  # fmt: skip
-        """This layer's rule over a verify's tokens again, into the slots: the roll back of
-        our kernels (kvcache/state_pool.py `_roll_back_ours`, which masks the gates)."""
-        ssm = pool.ssm[self.index]
-        rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
