@@ -247,7 +247,8 @@ def test_chunked_and_recurrent_kernels_agree() -> None:
 def test_the_rule_in_all_layers_at_once_equals_a_layer_at_a_time() -> None:
     """`recurrent_layers` (the roll back's one launch): each layer's own tokens, gates, gate
     parameters and states, as `recurrent_varlen` a layer at a time leaves them; tokens whose
-    gates are -inf (rejected drafts) leave a state as it was."""
+    gates are -inf (rejected drafts) leave a state as it was. Without `keep` (a verify's
+    forward) the slots are only read."""
     from minisgl.kernels import gated_delta
 
     s, lengths, slots = SHAPE, [5, 0, 3], torch.tensor([2, 0, 1])
@@ -270,6 +271,12 @@ def test_the_rule_in_all_layers_at_once_equals_a_layer_at_a_time() -> None:
     )
     assert close(one.ssm[1, 1], fresh[1, 1], 1e-6)  # decay 1, write strength 0: as it was
     assert torch.equal(one.ssm[:, 0], fresh[:, 0])  # the empty request's slot
+    # a verify's forward: the same output, its slots read and left as they were
+    args = (mixed[0], a[0], b[0], A_log[0], dt_bias[0])
+    kept, read = make_pool(), make_pool()
+    o_kept = gated_delta.recurrent_varlen(*args, kept.ssm[0], slots, offsets, s)
+    o_read = gated_delta.recurrent_varlen(*args, read.ssm[0], slots, offsets, s, keep=False)
+    assert torch.equal(o_read, o_kept) and torch.equal(read.ssm, fresh)
 
 
 @triton_only

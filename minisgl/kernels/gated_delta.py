@@ -290,7 +290,7 @@ def _recurrent_varlen_kernel(
     stride_m, stride_a, stride_b, stride_ss, stride_sh, stride_ot, stride_oh,
     layer_m, layer_a, layer_b, layer_g, layer_s,
     KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, OUT: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, OUT: tl.constexpr, STATE: tl.constexpr,
 ):  # fmt: skip
     # program 0's axis is (layer, request): several layers at once, each with its own
     # tokens, gates, gate parameters and states, `layer_*` apart (the roll back's way)
@@ -321,7 +321,8 @@ def _recurrent_varlen_kernel(
         S, o = _delta_step(S, _l2normed(q) * scale, _l2normed(k), v, g, beta)
         if OUT:
             tl.store(Out + t * stride_ot + hv * stride_oh + offs_v, o, mask=mv)
-    tl.store(s_ptrs, S, mask=smask & (end + 0 * offs_v > start)[None, :])  # an empty one: no
+    if STATE:  # an empty request's slot is left as it is
+        tl.store(s_ptrs, S, mask=smask & (end + 0 * offs_v > start)[None, :])
 
 
 def recurrent_varlen(
@@ -335,12 +336,13 @@ def recurrent_varlen(
     offsets: torch.Tensor,  # [B + 1]
     shape: LinearAttention,
     block_v: int = 32,
+    keep: bool = True,  # False: the slots are read, not written (a verify's forward)
 ) -> torch.Tensor:
     """The gated delta rule over each request's tokens from its slot's state, which then
     holds the state after its last token: the output [T, value heads, dv] in float32."""
     out = varlen_out(mixed, ssm_state, shape)
     one = (mixed, a, b, A_log, dt_bias, ssm_state)
-    _recurrent(*(t[None] for t in one), slots, offsets, shape, block_v, out)
+    _recurrent(*(t[None] for t in one), slots, offsets, shape, block_v, out, keep)
     return out
 
 
@@ -361,13 +363,13 @@ def recurrent_layers(
     a launch is most of the cost)."""
     assert a.shape[:2] == b.shape[:2] == mixed.shape[:2]
     assert A_log.size(0) == dt_bias.size(0) == ssm_state.size(0) == mixed.size(0)
-    _recurrent(mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape, block_v, None)
+    _recurrent(mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape, block_v, None, True)
 
 
 def _recurrent(
     mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
-    s: LinearAttention, block_v: int, out: torch.Tensor | None,
+    s: LinearAttention, block_v: int, out: torch.Tensor | None, keep: bool,
 ) -> None:  # fmt: skip
     # a program per (layer, request), value head and block of v
     assert mixed.stride(2) == 1 and ssm_state.dtype == torch.float32
@@ -384,7 +386,7 @@ def _recurrent(
         written.stride(0), written.stride(1),
         mixed.stride(0), a.stride(0), b.stride(0), A_log.stride(0), ssm_state.stride(0),
         KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv, PER_KEY=s.num_value_heads // s.num_key_heads,
-        BLOCK_DK=triton.next_power_of_2(dk), BLOCK_V=block_v, OUT=out is not None,
+        BLOCK_DK=triton.next_power_of_2(dk), BLOCK_V=block_v, OUT=out is not None, STATE=keep,
     )  # fmt: skip
 
 

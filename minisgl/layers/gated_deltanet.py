@@ -313,8 +313,9 @@ class GatedDeltaNet(nn.Module):
         self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
         batch: Batch, pool: RecurrentStatePool,
     ) -> torch.Tensor:  # fmt: skip
-        """Our Triton kernels: a decode step in one; a prefill (or verify) step as a conv and
-        the chunked recurrence over each request's tokens, lengths read on the device."""
+        """Our Triton kernels: a decode step in one; a prefill step as a conv and the chunked
+        recurrence over each request's tokens, lengths read on the device (a verify's
+        recurrence token by token)."""
         conv, ssm = pool.conv[self.index], pool.ssm[self.index]
         weight = self.conv1d.weight.squeeze(1)
         if batch.is_decode:
@@ -324,11 +325,16 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
         slots, offsets = batch.state_slots, batch.state_offsets
         rule = gated_delta_chunks.chunks_varlen if pool.two_pass else gated_delta.chunked_varlen
-        if batch.phase == "verify":  # on copies: the slots keep the state before it
-            conv_before, work = conv[slots], ssm[slots]
+        if batch.phase == "verify":  # the slots keep the state before it
+            conv_before = conv[slots]
             rows = torch.arange(slots.size(0), device=slots.device)
             mixed = gated_delta.conv_varlen(qkv, weight, conv_before.clone(), rows, offsets)
-            o = rule(mixed, a, b, self.A_log, self.dt_bias, work, rows, offsets, self.shape)
+            # a request's last token and its few drafts: token by token, as a decode step
+            # runs them (a chunk of 64 would solve its system for a handful of rows), the
+            # states read and not written
+            o = gated_delta.recurrent_varlen(
+                mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape, keep=False
+            )
             pool.keep_verify(self.index, qkv, mixed, a, b, conv_before)
             pool.gates[self.index] = self.A_log, self.dt_bias  # for the roll back
         else:
