@@ -133,6 +133,7 @@ class Batch:
         self.reqs = reqs
         self.phase = phase
         self.padded_reqs = reqs
+        self.graphed = False  # a CUDA graph runs it (engine/graph.py pad_batch)  # [ch18]
         self.input_ids: torch.Tensor  # [num_tokens] int32, device
         self.positions: torch.Tensor  # [num_tokens] int32, device
         self.out_loc: torch.Tensor  # [num_tokens] int32, device: KV slot of each new token

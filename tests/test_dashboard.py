@@ -108,6 +108,25 @@ def test_nothing_is_recorded_without_a_lease(llm):
     assert observer.log not in llm.scheduler.listeners
 
 
+def test_a_steps_time_is_the_loops_pace(llm):
+    """A step's ms runs from its start to the next step's start, read on the host: known for
+    every step but the last before the loop waits for work, and the wait is no step's."""
+    observer = Observer(llm.scheduler)
+    observer.receive([WatchMsg(30.0)])
+    began = time.perf_counter()
+    run(llm, observer, [[5, 6, 7, 8, 9]], 4)
+    first = len(observer.log.ring)
+    time.sleep(0.3)
+    run(llm, observer, [[15, 16, 17]], 3)
+    spent = (time.perf_counter() - began) * 1e3
+    ms = observer.log.columns()["ms"]
+    assert first >= 4 and len(ms) > first + 2
+    assert ms[first - 1] is None and ms[-1] is None  # each run's last: the wait ended it
+    timed = ms[: first - 1] + ms[first:-1]
+    assert all(t is not None and 0 < t < 300 for t in timed), ms  # none holds the sleep
+    assert sum(timed) < spent - 300
+
+
 def test_tokens_wait_to_be_counted_until_a_snapshot(llm):
     """Between snapshots a step's tokens are kept as they are (no work a token on the step
     loop); a snapshot counts them, each request's tokens and first token, and an abort

@@ -314,6 +314,7 @@ class GraphRunner:
         in decode); a batch no graph holds keeps its requests and runs eagerly."""
         found = self._find(batch)
         batch.padded_reqs = found[0].pad(batch, found[1]) if found else batch.reqs
+        batch.graphed = found is not None
 
     def replay(self, batch: Batch) -> torch.Tensor:
         found = self._find(batch)

@@ -8,10 +8,10 @@ produce their first token, and at a few snapshots a second reads the scheduler's
 (its requests, the owner of every KV page, the radix tree) into a `DashboardSnapshot`.
 
 Without a lease nothing is recorded: the step log is not among the scheduler's listeners,
-the observer's `publish` returns None, and that is the whole cost. With one, the step log costs two
-clock reads (two CUDA events on a GPU, read later, never waited for) and a record per step,
-and `publish` keeps the step's tokens as they are, with the time: they are counted (per
-request, first tokens, ends) only when a snapshot is due, off the steps in between.
+the observer's `publish` returns None, and that is the whole cost. With one, the step log
+costs a clock read on the host and a record per step, and `publish` keeps the step's tokens
+as they are, with the time: they are counted (per request, first tokens, ends) only when a
+snapshot is due, off the steps in between.
 Building a snapshot is kept under about 1% of the loop's time by spacing snapshots out
 when one takes long (a big tree, a big pool).
 """
@@ -24,8 +24,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from minisgl.core import Batch
 from minisgl.kvcache.radix_cache import RadixCache, RadixNode, access_tick
 from minisgl.message.backend import AbortMsg, TokenMsg, UserMsg
@@ -36,7 +34,6 @@ from minisgl.scheduler.window_cache import window_counters
 from minisgl.utils import cdiv
 
 if TYPE_CHECKING:
-    from minisgl.engine.engine import Engine
     from minisgl.scheduler.scheduler import Scheduler
 
 STEPS = 256  # forwards kept in the ring
@@ -52,36 +49,32 @@ STEP_FIELDS = ("step", "time", "kind", "size", "tokens", "chunks", "graph", "pad
 
 
 class StepLog:
-    """The last forwards, in a ring: a listener of the scheduler while a page is watching."""
+    """The last forwards, in a ring: a listener of the scheduler while a page is watching.
 
-    def __init__(self, engine: Engine) -> None:
+    A step's time is the loop's pace, read on the host: from its start to the next step's
+    start. While the device is the bound that is the device's time a step (the host launches
+    the next step once this one's tokens are in), and while the host is, the host's: what a
+    step costs either way. No device call: a CUDA event's record cost the host 12-32 us on
+    an H100 machine, and two a step were most of the page's cost at batch 64."""
+
+    def __init__(self) -> None:
         self.on = False  # a lease lasts: registered with the scheduler
-        self.engine = engine
-        self.cuda = engine.device.type == "cuda"
-        self.began: Any = None  # the start mark of the forward being launched
+        self.began = 0.0  # the start of the latest step (perf_counter)
+        self.last: list[Any] | None = None  # the latest record: the next start gives its time
         self.ring: deque[list[Any]] = deque(maxlen=STEPS)
         self.count = 0
         self.graphs: dict[tuple[str, int, int], list[int]] = {}  # -> [replays, steps]
-        self.spare: list[Any] = []  # timing events whose step was read or dropped: reused
-
-    def _mark(self) -> Any:
-        """A timing event recorded now on the current stream: a spare one, else a new one
-        (creating one costs more host time than a step at batch 1 can spare)."""
-        event = self.spare.pop() if self.spare else torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def forward_begins(self, batch: Batch) -> None:
-        """Before a forward is prepared: its start mark."""
-        self.began = self._mark() if self.cuda else time.perf_counter()
+        """Before a forward is prepared: the step before it ends here."""
+        now = time.perf_counter()
+        if self.last is not None:
+            self.last[-1] = round((now - self.began) * 1e3, 3)
+        self.began = now
 
     def forward_launched(self, batch: Batch) -> None:
-        """After the forward is launched: one record (its time is read later on a GPU)."""
-        if self.cuda:
-            ms: Any = (self.began, self._mark())
-        else:
-            ms = (time.perf_counter() - self.began) * 1e3
-        graph = self.engine.graph_runner.can_use_cuda_graph(batch)
+        """After the forward is launched: one record, its time to come."""
+        graph = batch.graphed
         key = (batch.phase, batch.size, batch.padded_size if graph else batch.size)
         hits = self.graphs.setdefault(key, [0, 0])
         hits[0] += graph
@@ -92,22 +85,17 @@ class StepLog:
         else:
             tokens = sum(r.extend_len for r in batch.reqs)
             chunks = sum(r.mid_prompt for r in batch.reqs)
-        if len(self.ring) == self.ring.maxlen and isinstance(self.ring[0][-1], tuple):
-            self.spare += self.ring[0][-1]  # the step leaving the ring: 256 steps old, done
-        self.ring.append(
-            [self.count, time.time(), batch.phase, batch.size, tokens, chunks, graph, key[2], ms]
-        )
+        self.last = [self.count, time.time(), batch.phase, batch.size, tokens, chunks, graph]
+        self.last += [key[2], None]
+        self.ring.append(self.last)
+
+    def idle(self) -> None:
+        """The loop waits for work: the latest step's time stays unknown (the wait is not its)."""
+        self.last = None
 
     def columns(self) -> dict[str, list[Any]]:
-        """The ring as one list per field; a GPU step whose events are not done yet has ms None."""
-        for rec in self.ring:
-            if isinstance(rec[-1], tuple):
-                start, done = rec[-1]
-                if done.query():
-                    rec[-1] = start.elapsed_time(done)
-                    self.spare += (start, done)
+        """The ring as one list per field; the latest step's ms is None until the next starts."""
         cols = [list(c) for c in zip(*self.ring)] if self.ring else [[] for _ in STEP_FIELDS]
-        cols[-1] = [None if isinstance(ms, tuple) else round(ms, 3) for ms in cols[-1]]
         return dict(zip(STEP_FIELDS, cols))
 
 
@@ -116,7 +104,7 @@ class Observer:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.s = scheduler
-        self.log = StepLog(scheduler.engine)
+        self.log = StepLog()
         self.until = 0.0  # the lease's end (monotonic)
         self.text = False
         self.seq = 0
@@ -157,6 +145,8 @@ class Observer:
         if not self.ticks or now - self.ticks[-1][1] >= TICK_EVERY_S:
             self.ticks.append((access_tick(), now))
         self.pending.append((now, tokens))
+        if not self.s.has_work:
+            self.log.idle()
         if now < self.next_at and self.s.has_work:  # the state it idles in is always sent
             if len(self.pending) >= PENDING:
                 self._flush()
@@ -178,7 +168,7 @@ class Observer:
             self.reqs[p.uid] = _req_info(None, p.prompt_len, out, [], [])
 
     def _stop(self) -> None:
-        self.log.on = False
+        self.log.on, self.log.last = False, None
         self.s.listeners.remove(self.log)
         self.reqs.clear()  # requests may end unseen from now on
         self.pending.clear()
