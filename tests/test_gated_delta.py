@@ -280,6 +280,46 @@ def test_the_rule_in_all_layers_at_once_equals_a_layer_at_a_time() -> None:
 
 
 @triton_only
+def test_a_verify_rolls_back_to_its_accepted_drafts() -> None:
+    """The roll back's two kernels: the rule over each request's last token and accepted
+    drafts only (as the later tokens' gates at -inf would leave it), and each conv state the
+    last K - 1 of (the state before, the verify's inputs) up to the last accepted token,
+    from the state before where fewer inputs were accepted than the conv holds."""
+    from minisgl.kernels import gated_delta
+
+    s, lengths, slots = SHAPE, [5, 0, 4, 5], torch.tensor([2, 0, 1, 4])
+    accepted = torch.tensor([2, 0, 0, 4])  # drafts taken: some, none (empty), none, all
+    layers, tokens, heads = 2, sum(lengths), s.num_value_heads
+    gen = torch.Generator().manual_seed(9)
+    mixed, qkv = torch.randn(2, layers, tokens, s.conv_dim, generator=gen)
+    a, b = torch.randn(2, layers, tokens, heads, generator=gen)
+    A_log, dt_bias = torch.rand(layers, heads, generator=gen), torch.randn(layers, heads)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    walked, masked = make_pool(), make_pool()
+    args = (A_log, dt_bias)
+    gated_delta.recurrent_layers(mixed, a, b, *args, walked.ssm, slots, offsets, s, accepted)
+    t = torch.arange(tokens)
+    req = torch.searchsorted(offsets[1:], t, right=True)
+    later = (t - offsets[req] > accepted[req])[None, :, None]
+    a_m, b_m = a.masked_fill(later, float("-inf")), b.masked_fill(later, float("-inf"))
+    gated_delta.recurrent_layers(mixed, a_m, b_m, *args, masked.ssm, slots, offsets, s)
+    assert close(walked.ssm, masked.ssm, 1e-6)
+    assert not torch.equal(walked.ssm[:, 2], make_pool().ssm[:, 2])
+
+    width = s.conv_kernel - 1
+    before = torch.randn(layers, 4, s.conv_dim, width, generator=gen)
+    pool = make_pool()
+    gated_delta.conv_roll_back(qkv, before, pool.conv, slots, offsets, accepted)
+    for r, (slot, acc) in enumerate(zip(slots.tolist(), accepted.tolist())):
+        start, end = offsets[r].item(), offsets[r + 1].item()
+        if end == start:  # nothing ran: its slot as it was
+            assert torch.equal(pool.conv[:, slot], make_pool().conv[:, slot])
+            continue
+        seen = torch.cat([before[:, r], qkv[:, start : start + acc + 1].transpose(1, 2)], 2)
+        assert torch.equal(pool.conv[:, slot], seen[..., -width:]), (r, acc)
+
+
+@triton_only
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 3e-3)])
 def test_two_pass_kernels_equal_the_token_by_token_recurrence(dtype, tol) -> None:
     """kernels/gated_delta_chunks.py against the token-by-token kernel in float32: requests

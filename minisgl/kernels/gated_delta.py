@@ -285,12 +285,13 @@ def conv_varlen(
 
 @triton.jit
 def _recurrent_varlen_kernel(
-    Mixed, A, Bp, ALog, DtBias, SSM, Slots, Offsets, Out,
+    Mixed, A, Bp, ALog, DtBias, SSM, Slots, Offsets, Out, Accepted,
     scale, reqs,
     stride_m, stride_a, stride_b, stride_ss, stride_sh, stride_ot, stride_oh,
     layer_m, layer_a, layer_b, layer_g, layer_s,
     KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
     BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, OUT: tl.constexpr, STATE: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):  # fmt: skip
     # program 0's axis is (layer, request): several layers at once, each with its own
     # tokens, gates, gate parameters and states, `layer_*` apart (the roll back's way)
@@ -304,6 +305,8 @@ def _recurrent_varlen_kernel(
     hv = tl.program_id(1)
     h = hv // PER_KEY
     start, end = tl.load(Offsets + r), tl.load(Offsets + r + 1)
+    if LIMIT:  # a verify's roll back: its last token and the drafts accepted, no further
+        end = tl.minimum(end, start + 1 + tl.load(Accepted + r))
     slot = tl.load(Slots + r).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_DK)
     mk = offs_k < DK
@@ -342,7 +345,7 @@ def recurrent_varlen(
     holds the state after its last token: the output [T, value heads, dv] in float32."""
     out = varlen_out(mixed, ssm_state, shape)
     one = (mixed, a, b, A_log, dt_bias, ssm_state)
-    _recurrent(*(t[None] for t in one), slots, offsets, shape, block_v, out, keep)
+    _recurrent(*(t[None] for t in one), slots, offsets, shape, block_v, out, keep, None)
     return out
 
 
@@ -356,20 +359,24 @@ def recurrent_layers(
     slots: torch.Tensor,  # [B]
     offsets: torch.Tensor,  # [B + 1]
     shape: LinearAttention,
+    accepted: torch.Tensor | None = None,  # [>= B]: each request's first 1 + accepted tokens
     block_v: int = 32,
 ) -> None:
     """`recurrent_varlen` in L layers at once, their states only (no output): one launch where
     a loop over the layers would launch one each (a verify's roll back, where the host's time
-    a launch is most of the cost)."""
+    a launch is most of the cost). With `accepted`, each request's walk stops after its
+    first 1 + accepted[r] tokens (its last token and the drafts accepted)."""
     assert a.shape[:2] == b.shape[:2] == mixed.shape[:2]
     assert A_log.size(0) == dt_bias.size(0) == ssm_state.size(0) == mixed.size(0)
-    _recurrent(mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape, block_v, None, True)
+    args = (mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, shape, block_v)
+    _recurrent(*args, None, True, accepted)
 
 
 def _recurrent(
     mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor, offsets: torch.Tensor,
     s: LinearAttention, block_v: int, out: torch.Tensor | None, keep: bool,
+    accepted: torch.Tensor | None,
 ) -> None:  # fmt: skip
     # a program per (layer, request), value head and block of v
     assert mixed.stride(2) == 1 and ssm_state.dtype == torch.float32
@@ -381,12 +388,63 @@ def _recurrent(
     block_v = min(block_v, triton.next_power_of_2(dv))
     written = out if out is not None else mixed.new_empty(0, 0)
     _recurrent_varlen_kernel[(layers * reqs, s.num_value_heads, triton.cdiv(dv, block_v))](
-        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, written, dk**-0.5, reqs,
+        mixed, a, b, A_log, dt_bias, ssm_state, slots, offsets, written,
+        accepted if accepted is not None else offsets, dk**-0.5, reqs,
         mixed.stride(1), a.stride(1), b.stride(1), ssm_state.stride(1), ssm_state.stride(2),
         written.stride(0), written.stride(1),
         mixed.stride(0), a.stride(0), b.stride(0), A_log.stride(0), ssm_state.stride(0),
         KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv, PER_KEY=s.num_value_heads // s.num_key_heads,
         BLOCK_DK=triton.next_power_of_2(dk), BLOCK_V=block_v, OUT=out is not None, STATE=keep,
+        LIMIT=accepted is not None,
+    )  # fmt: skip
+
+
+@triton.jit
+def _conv_roll_back_kernel(
+    Inputs, Before, Conv, Slots, Offsets, Accepted, reqs, channels,
+    stride_it, stride_br, stride_bc, stride_cs, stride_cc, layer_i, layer_b, layer_c,
+    WIDTH: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    layer, r = (tl.program_id(0) // reqs).to(tl.int64), tl.program_id(0) % reqs
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    start, slot = tl.load(Offsets + r), tl.load(Slots + r).to(tl.int64)
+    mc = (c < channels) & (tl.load(Offsets + r + 1) + 0 * c > start)  # an empty one: no
+    at = tl.load(Accepted + r) + 1  # entries at .. at + WIDTH - 1 of (state before, inputs)
+    Inputs += layer * layer_i
+    Before += layer * layer_b + r * stride_br
+    Conv += layer * layer_c + slot * stride_cs
+    for j in tl.static_range(WIDTH - 1):
+        p = at + j + 0 * c  # a block, as the masks are
+        from_x = p >= WIDTH - 1
+        x = tl.load(Inputs + (start + p - (WIDTH - 1)) * stride_it + c, mask=mc & from_x)
+        kept = Before + c * stride_bc + tl.minimum(p, WIDTH - 2)
+        before = tl.load(kept, mask=mc & (p < WIDTH - 1))
+        tl.store(Conv + c * stride_cc + j, tl.where(from_x, x, before), mask=mc)
+
+
+def conv_roll_back(
+    inputs: torch.Tensor,  # [L, T, conv_dim]: a verify's conv inputs (qkv), every layer's
+    before: torch.Tensor,  # [L, >= B, conv_dim, K - 1]: its requests' conv states before it
+    conv_state: torch.Tensor,  # [L, slots, conv_dim, K - 1], written at the requests' slots
+    slots: torch.Tensor,  # [B]
+    offsets: torch.Tensor,  # [B + 1]
+    accepted: torch.Tensor,  # [>= B]
+) -> None:
+    """Each request's conv state as its last token and accepted drafts leave it: the last K - 1
+    of (its state before the verify, then the verify's inputs) up to its last accepted token,
+    every layer in one launch."""
+    layers, reqs, channels = inputs.size(0), slots.size(0), inputs.size(2)
+    assert inputs.stride(2) == 1 and before.stride(3) == 1 and conv_state.stride(3) == 1
+    assert before.dtype == conv_state.dtype == inputs.dtype
+    if not layers or not reqs:
+        return
+    block_c = 128
+    _conv_roll_back_kernel[(layers * reqs, triton.cdiv(channels, block_c))](
+        inputs, before, conv_state, slots, offsets, accepted, reqs, channels,
+        inputs.stride(1), before.stride(1), before.stride(2),
+        conv_state.stride(1), conv_state.stride(2),
+        inputs.stride(0), before.stride(0), conv_state.stride(0),
+        WIDTH=conv_state.size(3) + 1, BLOCK_C=block_c,
     )  # fmt: skip
 
 

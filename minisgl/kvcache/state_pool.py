@@ -39,7 +39,7 @@ import torch
 from minisgl.core import Batch, Req
 from minisgl.distributed import agree_min, get_tp_info
 from minisgl.env import ENV
-from minisgl.kernels.gated_delta import recurrent_layers
+from minisgl.kernels.gated_delta import conv_roll_back, recurrent_layers
 from minisgl.models.families import LinearAttention, attention_layers
 from minisgl.utils import cdiv, to_device
 
@@ -164,30 +164,18 @@ class RecurrentStatePool:
             self._roll_back_ours(batch, accepted)
 
     def _roll_back_ours(self, batch: Batch, accepted: torch.Tensor) -> None:
-        """The roll back of our kernels' verify, which ran on copies of the states: each
-        layer runs its rule again over each request's tokens from the state before the
-        verify, those after its `accepted` drafts given a = b = -inf (a decay of 1 and a
-        write strength of 0 leave the state as it was); each conv state becomes its last
-        K - 1 inputs up to its last accepted token. From the buffers and the live batch
-        (its requests first), the masks, the rule and the conv states for every layer at
-        once: a few kernels, on the device, without a wait."""
-        n, tokens = batch.size, sum(r.extend_len for r in batch.reqs)
+        """The roll back of our kernels' verify, which left the slots as they were: each layer
+        runs its rule again over each request's last token and accepted drafts, from the
+        state before the verify, and each conv state becomes its last K - 1 inputs up to the
+        same token. From the buffers and the live batch (its requests first), every layer at
+        once: two kernels, on the device, without a wait."""
+        n = batch.size
         slots, offsets = batch.state_slots[:n], batch.state_offsets[: n + 1]
-        t = torch.arange(tokens, device=self.device)
-        req = torch.searchsorted(offsets[1:], t, right=True).clamp(max=n - 1)
-        rejected = (t - offsets[req] > accepted[req])[None, None, :, None]  # [1, 1, T, 1]
-        ab = self.verify_ab[:, :, :tokens].masked_fill(rejected, float("-inf"))
         A_log, dt_bias = self._gate_parameters()
-        qkv = self.verify_qkv[1, :, :tokens]
-        recurrent_layers(qkv, ab[0], ab[1], A_log, dt_bias, self.ssm, slots, offsets, self.shape)
-        # the conv states: entries accepted + 1 .. accepted + K - 1 of (state before, inputs)
-        width = self.conv.size(-1)  # K - 1
-        at = accepted[:n, None] + 1 + torch.arange(width, device=self.device)  # [B, K - 1]
-        token = (offsets[:-1, None] + at - width).clamp(0, tokens - 1)
-        inputs = self.verify_qkv[0][:, token].transpose(2, 3)  # [L, B, conv_dim, K - 1]
-        before = self.verify_conv[:, :n]
-        before = before.gather(3, at.clamp(max=width - 1)[None, :, None, :].expand_as(inputs))
-        self.conv[:, slots] = torch.where((at >= width)[None, :, None, :], inputs, before)
+        mixed, (a, b) = self.verify_qkv[1], self.verify_ab
+        args = (A_log, dt_bias, self.ssm, slots, offsets, self.shape, accepted)
+        recurrent_layers(mixed, a, b, *args)
+        conv_roll_back(self.verify_qkv[0], self.verify_conv, self.conv, slots, offsets, accepted)
 
     def _gate_parameters(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every linear layer's A_log and dt_bias, stacked [L, heads] in float32 (once)."""
