@@ -10,6 +10,11 @@
 # prefill: one prompt of 32K tokens, the linear layers' recurrence in one pass and in two.
 # kernels: the linear layers' torch path against our Triton kernels (tools/bench_gated_delta.py),
 #          where that tool is present.
+# checks:  speculation on the 0.8B shape with drafts from a plain run's output, verify graphs
+#          replayed on the GPU: in float32 the tokens must equal the plain run's
+#          (tools/check_hybrid_speculation.py); in bf16, how many do.
+# verify:  a verify step against a decode step on the Qwen3.5 shapes (tools/bench_verify_cost.py,
+#          drafts of 1, 4 and 8 at batch 1 and 8) with its host timeline.
 # GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
 # others; it is measured with this many layers (every layer its real shape) and the time per
 # token scaled by 60 / layers, which the log says.
@@ -17,7 +22,7 @@
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
 TOK=${TOKENIZER_FROM:-.gpu_tok}
-STAGES=${STAGES:-latency,offline,prefill,kernels}
+STAGES=${STAGES:-checks,latency,offline,prefill,kernels,verify}
 SHAPES=${SHAPES:-qwen3.5-0.8b,qwen3.5-9b,gemma4-e4b,gemma4-31b}
 L31=${GEMMA4_31B_LAYERS:-16}
 # The GPU machine lacks pyzmq and setproctitle (and fla-core, which the kernels stage
@@ -36,6 +41,13 @@ for shape in ${SHAPES//,/ }; do
   [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" "${layers[@]}" \
       --out "/root/$shape" --tokenizer-from "$TOK" --device cuda 2>&1 | tail -1 | log
 done
+if [[ $STAGES == *checks* && ,$SHAPES, == *,qwen3.5-0.8b,* ]]; then
+  for dtype in float32 bfloat16; do
+    echo "== checks: hybrid speculation, $dtype" | log
+    timeout 300 python3 tools/check_hybrid_speculation.py --model /root/qwen3.5-0.8b \
+        --dtype "$dtype" 2>&1 | grep -vE "INFO|WARN" | tail -4 | log
+  done
+fi
 if [[ $STAGES == *latency* ]]; then
   for shape in ${SHAPES//,/ }; do
     echo "== latency $shape" | log
@@ -67,4 +79,12 @@ if [[ $STAGES == *kernels* && -f tools/bench_gated_delta.py ]]; then
   echo "== gated delta kernels" | log
   timeout 400 python3 tools/bench_gated_delta.py --prefill 1x4096,8x512,1x32768 2>&1 \
       | tail -48 | log
+fi
+if [[ $STAGES == *verify* ]]; then
+  for shape in qwen3.5-0.8b qwen3.5-9b; do
+    [[ ,$SHAPES, == *,$shape,* ]] || continue
+    echo "== verify cost $shape" | log
+    timeout 400 python3 tools/bench_verify_cost.py --model "/root/$shape" --ks 1,4,8 \
+        --batches 1,8 --rounds 1 --input-len 128 2>&1 | grep -E "^\||Error|error" | log
+  done
 fi
