@@ -186,7 +186,7 @@ PHASES = [
     ("forward (launched)", "engine", "logits"),
     ("sampling (launched)", "engine", "sample_logits"),
     ("acceptance (launched)", "module", "accept_drafts"),
-    ("a hybrid's states rolled back (launched)", "pool", "keep_accepted"),
+    ("a hybrid's states rolled back (launched)", "pool", "keep_accepted"),  # [ch31]
     ("copy back and wait for the device", "spec", "_read_back"),
     ("emit the accepted tokens", "spec", "_emit"),
 ]
@@ -204,7 +204,7 @@ def timeline(bench: Bench, batch: int, k: int) -> dict[str, dict[str, float]]:
         "cache": bench.sched.cache,
         "engine": bench.llm.engine,
         "module": step_module,
-        "pool": bench.llm.engine.state_pool,  # None but for a hybrid
+        "pool": bench.llm.engine.state_pool,  # None but for a hybrid  # [ch31]
     }
     table: dict[str, dict[str, float]] = {}
     for side, mode in (("verify", "verify"), ("decode", "plain")):
