@@ -203,12 +203,14 @@ def test_the_verify_buffers_are_sized_and_counted(tmp_path, monkeypatch) -> None
     assert pool.bytes == RecurrentStatePool.verify_bytes(2, small, torch.float32, (4, 2)) + (
         RecurrentStatePool.bytes_per_slot(2, small, torch.float32) * 3
     )
-    qkv, ab = torch.ones(5, small.conv_dim), torch.ones(5, 2)
-    conv = torch.ones(2, small.conv_dim, 3)
     with pytest.raises(RuntimeError, match="sized for 4 and 2"):
-        pool.keep_verify(0, qkv, qkv, ab, ab, conv)
-    pool.keep_verify(1, qkv[:4], qkv[:4] * 2, ab[:4], ab[:4], conv)
-    assert pool.verify_qkv[1, 1].sum() == 2 * 4 * small.conv_dim
+        pool.verify_views(0, 5, 2)
+    with pytest.raises(RuntimeError, match="sized for 4 and 2"):
+        pool.verify_views(0, 4, 3)
+    views = pool.verify_views(1, 4, 2)
+    views.mixed.fill_(2.0)
+    assert pool.verify_qkv[1, 1].sum() == 2 * 4 * small.conv_dim  # views, not copies
+    assert views.conv.shape == (2, small.conv_dim, 3) and views.a.shape == (4, 2)
 
 
 def test_a_hybrid_draft_model_is_refused(model) -> None:

@@ -110,7 +110,7 @@ def verify_graph_blocker(model_config: ModelConfig, device_type: str) -> str | N
     """Why verify graphs are off (None: they may run): on the torch path each forward of a
     hybrid's verify leaves its roll back with the state pool, holding that forward's own
     tensors, which a graph's replay would not renew. Our kernels' roll back reads fixed
-    buffers that the verify writes, replayed or not (kvcache/state_pool.py `keep_verify`)."""
+    buffers that the verify writes, replayed or not (kvcache/state_pool.py `verify_views`)."""
     if model_config.linear is None or _our_kernels(device_type):
         return None
     return (

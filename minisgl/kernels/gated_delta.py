@@ -259,6 +259,8 @@ def conv_varlen(
     conv_state: torch.Tensor,  # [slots, conv_dim, K - 1]: one layer's, updated in place
     slots: torch.Tensor,  # [B]
     offsets: torch.Tensor,  # [B + 1]: where each request's tokens start, then the end
+    out: torch.Tensor | None = None,  # [T, conv_dim]: where the output goes
+    keep: bool = True,  # False: the states are read, not written (a verify's forward)
 ) -> torch.Tensor:
     """SiLU of the causal conv of each request's tokens after its slot's conv state, [T,
     conv_dim] in qkv's dtype; each slot then holds its request's last K - 1 inputs."""
@@ -267,7 +269,8 @@ def conv_varlen(
     if reqs >= 2**SEARCH:
         raise ValueError(f"{reqs} requests in one conv; it takes at most {2**SEARCH - 1}")
     assert qkv.stride(1) == 1 and conv_weight.is_contiguous() and conv_state.stride(2) == 1
-    out = torch.empty_like(qkv)
+    out = torch.empty_like(qkv) if out is None else out
+    assert out.shape == qkv.shape and out.stride(1) == 1
     block_t, block_c = 16, 128
     if tokens:
         _conv_varlen_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(channels, block_c))](
@@ -275,6 +278,8 @@ def conv_varlen(
             qkv.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
             WIDTH=width, BLOCK_T=block_t, BLOCK_C=block_c, SEARCH=SEARCH,
         )  # fmt: skip
+    if not keep:
+        return out
     _conv_state_kernel[(reqs, triton.cdiv(channels, block_c))](
         qkv, conv_state, slots, offsets, channels,
         qkv.stride(0), conv_state.stride(0), conv_state.stride(1),

@@ -32,7 +32,7 @@ import logging
 import os
 from collections.abc import Callable
 from itertools import accumulate
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import torch
 
@@ -58,6 +58,16 @@ class EngineShape(Protocol):
     device: torch.device
     max_seq_len: int
     config: Any  # an EngineConfig: its max_running_req, page_size and state_snapshots
+
+
+class VerifyViews(NamedTuple):
+    """A linear layer's share of the roll back's buffers, for one verify."""
+
+    qkv: torch.Tensor  # [T, conv_dim]: the conv's inputs
+    mixed: torch.Tensor  # [T, conv_dim]: its outputs, q, k and v
+    a: torch.Tensor  # [T, value heads]
+    b: torch.Tensor  # [T, value heads]
+    conv: torch.Tensor  # [B, conv_dim, K - 1]: the requests' conv states before the verify
 
 
 class RecurrentStatePool:
@@ -184,22 +194,16 @@ class RecurrentStatePool:
             self._stacked = tuple(torch.stack([p[j].float() for p in layers]) for j in (0, 1))
         return self._stacked
 
-    def keep_verify(
-        self, layer: int, qkv: torch.Tensor, mixed: torch.Tensor, a: torch.Tensor,
-        b: torch.Tensor, conv_before: torch.Tensor,
-    ) -> None:  # fmt: skip
-        """A linear layer's verify inputs into the roll back's buffers (our kernels)."""
-        tokens, reqs = qkv.size(0), conv_before.size(0)
+    def verify_views(self, layer: int, tokens: int, reqs: int) -> VerifyViews:
+        """Where a linear layer's verify leaves what the roll back reads (our kernels): views
+        of the pool's buffers for `tokens` tokens and `reqs` requests."""
         if tokens > self.verify_qkv.size(2) or reqs > self.verify_conv.size(1):
             raise RuntimeError(
                 f"a verify step of {tokens} tokens and {reqs} requests; the state pool was "
                 f"sized for {self.verify_qkv.size(2)} and {self.verify_conv.size(1)}"
             )
-        self.verify_qkv[0, layer, :tokens] = qkv
-        self.verify_qkv[1, layer, :tokens] = mixed
-        self.verify_ab[0, layer, :tokens] = a
-        self.verify_ab[1, layer, :tokens] = b
-        self.verify_conv[layer, :reqs] = conv_before
+        qkv, ab = self.verify_qkv[:, layer, :tokens], self.verify_ab[:, layer, :tokens]
+        return VerifyViews(qkv[0], qkv[1], ab[0], ab[1], self.verify_conv[layer, :reqs])
 
     def graph_buffers(self, num_reqs: int, dummy_req: Req) -> tuple[torch.Tensor, torch.Tensor]:
         """The graphs' static buffers of state slots and token offsets (engine/graph.py), for

@@ -325,17 +325,18 @@ class GatedDeltaNet(nn.Module):
             )  # fmt: skip
         slots, offsets = batch.state_slots, batch.state_offsets
         rule = gated_delta_chunks.chunks_varlen if pool.two_pass else gated_delta.chunked_varlen
-        if batch.phase == "verify":  # the slots keep the state before it
-            conv_before = conv[slots]
-            rows = torch.arange(slots.size(0), device=slots.device)
-            mixed = gated_delta.conv_varlen(qkv, weight, conv_before.clone(), rows, offsets)
+        if batch.phase == "verify":  # the slots keep the states before it
+            keep = pool.verify_views(self.index, qkv.size(0), slots.size(0))
+            torch.index_select(conv, 0, slots, out=keep.conv)
+            mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets, keep.mixed, False)
+            keep.qkv.copy_(qkv)
+            keep.a.copy_(a)
+            keep.b.copy_(b)
             # a request's last token and its few drafts: token by token, as a decode step
-            # runs them (a chunk of 64 would solve its system for a handful of rows), the
-            # states read and not written
+            # runs them (a chunk of 64 would solve its system for a handful of rows)
             o = gated_delta.recurrent_varlen(
                 mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape, keep=False
             )
-            pool.keep_verify(self.index, qkv, mixed, a, b, conv_before)
             pool.gates[self.index] = self.A_log, self.dt_bias  # for the roll back
         else:
             mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
