@@ -5,7 +5,10 @@ step: verify steps that accept all, some and none of them), so every verify step
 roll back to do; with verify graphs on, each verify replays a captured graph. Lossless
 speculation must give the plain run's greedy tokens. In float32 they must be identical; in
 bf16 a verify's forward rounds differently from a decode step's, and a random model's
-nearly tied logits can part the two runs, so bf16 is reported, not checked.
+nearly tied logits can part the two runs, so bf16 is reported, not checked: where each
+request first parts, and the plain run's margin there (its top log-probability less the
+second), beside its median margin over all tokens. Ties part runs at the small margins;
+a roll back that lost state would part them anywhere.
 
     python tools/check_hybrid_speculation.py --model /root/qwen3.5-0.8b --dtype float32
     python tools/check_hybrid_speculation.py --model /tmp/q35 --device cpu --dtype float32 \
@@ -41,28 +44,35 @@ def main() -> int:
 
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
+    from minisgl.models.config import ModelConfig
     from minisgl.speculative.ngram import NgramDrafter
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     rng = torch.Generator().manual_seed(0)
     n = args.requests
-    prompts = [torch.randint(100, 5000, (64,), generator=rng).tolist() for _ in range(n)]
+    vocab = min(5000, ModelConfig.from_path(args.model).vocab_size)
+    prompts = [torch.randint(vocab // 50, vocab, (64,), generator=rng).tolist() for _ in range(n)]
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
+    plain = SamplingParams(max_tokens=args.tokens, ignore_eos=True, logprobs=True, top_logprobs=2)
     kw = dict(device=args.device, dtype=args.dtype, max_running_req=8)
     if not cuda:
         kw.update(cuda_graph_max_bs=4, num_page_override=64 * args.requests)
     out: dict[str, list[list[int]]] = {}
+    margins: list[list[float]] = []  # the plain run's, per request and token
     for mode in ("off", "ngram"):
         spec = dict(speculative="ngram", speculative_always=True) if mode == "ngram" else {}
         if mode == "ngram":
-            NgramDrafter.propose = oracle_drafter(prompts, out["off"], 5000)
+            NgramDrafter.propose = oracle_drafter(prompts, out["off"], vocab)
         llm = LLM(args.model, **kw, **spec)
         runner = llm.engine.graph_runner
         replays = counted(runner)
         sync()
         began = time.perf_counter()
-        out[mode] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        results = llm.generate(prompts, plain if mode == "off" else params, use_tqdm=False)
+        out[mode] = [o["token_ids"] for o in results]
+        if mode == "off":
+            margins = [[margin(t["top"]) for t in o["logprobs"]] for o in results]
         sync()
         ms = (time.perf_counter() - began) * 1e3
         s = llm.scheduler.spec
@@ -75,10 +85,24 @@ def main() -> int:
         llm.shutdown()
     same = sum(a == b for a, b in zip(out["off"], out["ngram"]))
     print(f"speculation (oracle drafts) against plain: {same} of {len(prompts)} identical")
+    for i, (a, b) in enumerate(zip(out["off"], out["ngram"])):
+        at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is not None:
+            mid = sorted(margins[i])[len(margins[i]) // 2]
+            print(
+                f"  request {i} parts at token {at}: the plain run's margin there "
+                f"{margins[i][at]:.4f}, its median {mid:.4f}"
+            )
     if args.dtype == "float32" and same < len(prompts):
         print("FAILED: float32 tokens must be identical")
         return 1
     return 0
+
+
+def margin(top: dict[int, float]) -> float:
+    """The top log-probability less the second: how near a tie the greedy choice was."""
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1] if len(best) > 1 else float("inf")
 
 
 def counted(runner: object) -> list[str]:
