@@ -78,6 +78,12 @@ class _Env:
         self.GATED_DELTA_PREFILL = EnvVar.read(
             "GATED_DELTA_PREFILL", "one-pass", choices=("one-pass", "two-pass")
         )
+        # a decode step in our kernels: fused (one kernel, a program per request and key head
+        # holding whole states) or split (kernels/gated_delta.py: the recurrence over blocks of
+        # value columns, then the norm and the conv state's shift); not yet measured on a GPU
+        self.GATED_DELTA_DECODE = EnvVar.read(
+            "GATED_DELTA_DECODE", "fused", choices=("fused", "split")
+        )
         # <<< ch31
 
 

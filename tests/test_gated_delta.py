@@ -164,13 +164,16 @@ def test_torch_path_batches_requests_as_each_alone() -> None:
 # ---- our Triton kernels against the torch path
 
 
-def both_paths(lengths: list[int], slots: list[int], two_pass: bool = False):
+def both_paths(
+    lengths: list[int], slots: list[int], two_pass: bool = False, split_decode: bool = False
+):
     """(torch's output and pool, the kernels' output and pool) from the same start."""
     layer = make_layer()
     x = torch.randn(sum(lengths), HIDDEN, generator=torch.Generator().manual_seed(4))
     out = []
     for kernels in ("torch", "triton"):
         pool = make_pool()
+        pool.split_decode = split_decode
         out.append((run(layer, pool, x, lengths, slots, kernels, two_pass), pool))
     return out
 
@@ -195,6 +198,21 @@ def test_decode_kernel_equals_the_torch_path(early: int, monkeypatch) -> None:
     monkeypatch.setattr(gated_delta, "EARLY_PROGRAMS", early)
     slots = [3, 0, 4, DUMMY]
     (want, want_pool), (got, got_pool) = both_paths([1] * 4, slots)
+    assert got.shape == want.shape
+    assert close(got[:3], want[:3], 1e-5)
+    assert_same_states(want_pool, got_pool, slots)
+
+
+@triton_only
+@pytest.mark.parametrize("columns", [8, 32])
+def test_split_decode_kernels_equal_the_torch_path(columns: int, monkeypatch) -> None:
+    """The decode step in two kernels, the recurrence's programs holding blocks of 8 value
+    columns (several a head: every block reads q and k, only the second kernel shifts their
+    conv state) or a whole head; two value heads share each key head, so the first of them
+    shifts q's and k's channels."""
+    monkeypatch.setattr(gated_delta, "SPLIT_DV", columns)
+    slots = [3, 0, 4, DUMMY]
+    (want, want_pool), (got, got_pool) = both_paths([1] * 4, slots, split_decode=True)
     assert got.shape == want.shape
     assert close(got[:3], want[:3], 1e-5)
     assert_same_states(want_pool, got_pool, slots)

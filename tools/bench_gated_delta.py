@@ -13,7 +13,9 @@ outputs of in_proj_qkv, in_proj_z, in_proj_a and in_proj_b (the same for every s
 to the gated, normalised output that goes into out_proj, states read from and written to
 their slots in a state pool. The sides:
 - torch: the layer's reference path (the default), the chunked delta rule for a prefill;
-- ours: kernels/gated_delta.py (MINISGL_GATED_DELTA=triton): one kernel a decode step; a
+- ours: kernels/gated_delta.py (MINISGL_GATED_DELTA=triton): one kernel a decode step
+  ("ours, split N": two, the recurrence's programs holding N value columns each:
+  MINISGL_GATED_DELTA_DECODE=split; `--split-columns 16,32,64` compares several); a
   prefill's conv, conv-state update and chunked recurrence (16 tokens a step), then the
   gated norm; "ours, by token" is the same with the token-by-token recurrence, "ours, two
   passes" with kernels/gated_delta_chunks.py's (every chunk's own work at once, then the
@@ -143,6 +145,21 @@ class Setup:
 
         return run
 
+    def decode_split(self, columns: int) -> Callable[[], torch.Tensor]:
+        """Our decode step in two kernels, the recurrence's programs holding `columns` value
+        columns each (MINISGL_GATED_DELTA_DECODE=split, kernels/gated_delta.py's SPLIT_DV)."""
+        from minisgl.kernels import gated_delta
+
+        def run() -> torch.Tensor:
+            was = self.pool.split_decode, gated_delta.SPLIT_DV
+            self.pool.split_decode, gated_delta.SPLIT_DV = True, columns
+            try:
+                return self.side("triton")()
+            finally:
+                self.pool.split_decode, gated_delta.SPLIT_DV = was
+
+        return run
+
     def state_bytes(self) -> int:
         """A call's floor traffic: each request's SSM and conv state read and written."""
         s, itemsize = self.shape, self.qkv.element_size()
@@ -259,7 +276,11 @@ def bench(case: Case, args: argparse.Namespace, fla, device, dtype) -> list[str]
     sides: dict[str, Callable[[], object]] = {"torch": setup.side("torch")}
     sides["ours"] = setup.side("triton")
     diffs = {"torch": 0.0, "ours": max_diff(setup, setup.side("triton"))}
-    if not decode:
+    if decode:
+        for columns in args.split_columns:
+            sides[f"ours, split {columns}"] = setup.decode_split(columns)
+            diffs[f"ours, split {columns}"] = max_diff(setup, sides[f"ours, split {columns}"])
+    else:
         for rule in ("by token", "two passes"):
             sides[f"ours, {rule}"] = setup.prefill_with(rule)
             diffs[f"ours, {rule}"] = max_diff(setup, sides[f"ours, {rule}"])
@@ -307,11 +328,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", default="1x4096,8x512", help="REQUESTSxTOKENS, comma-separated")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds, each side once a round")
     p.add_argument("--calls", type=int, default=20, help="decode calls captured in one graph")
+    p.add_argument(
+        "--split-columns", default="32", help="decode in two kernels, value columns a program"
+    )
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
     args = parse(p, argv)
+    args.split_columns = [int(c) for c in args.split_columns.split(",") if c]
     todo = cases(args)
     fla = fla_ops()
-    sides = "torch, ours" + (f", fla {fla[2]}" if fla else " (fla-core not importable)")
+    split = "".join(f", ours split {c}" for c in args.split_columns)
+    sides = f"torch, ours{split}" + (f", fla {fla[2]}" if fla else " (fla-core not importable)")
     if args.dry_run:
         print(f"{len(todo)} cases on {args.device}, {args.dtype}; sides: {sides}")
         for model, phase, lengths in todo:

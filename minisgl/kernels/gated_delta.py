@@ -81,15 +81,21 @@ def _delta_step(S, q, k, v, g, beta):
 
 
 @triton.jit
-def _conv_window(X, W, State, stride_c, chans, mask, taps, WIDTH: tl.constexpr):
-    """The conv of one token over `chans`: (its SiLU output, the window of inputs [chans,
-    taps]: the state's K - 1, then the token's)."""
+def _window(X, State, stride_c, chans, mask, taps, WIDTH: tl.constexpr):
+    """One token's conv inputs over `chans` [chans, taps]: the state's K - 1, then its own."""
     earlier = taps[None, :] < WIDTH - 1
     st = tl.load(
         State + chans[:, None] * stride_c + taps[None, :], mask=mask[:, None] & earlier, other=0.0
     )
     x = tl.load(X + chans, mask=mask, other=0.0)
-    window = tl.where(taps[None, :] == WIDTH - 1, x[:, None], st)
+    return tl.where(taps[None, :] == WIDTH - 1, x[:, None], st)
+
+
+@triton.jit
+def _conv_window(X, W, State, stride_c, chans, mask, taps, WIDTH: tl.constexpr):
+    """The conv of one token over `chans`: (its SiLU output, the window of inputs [chans,
+    taps]: the state's K - 1, then the token's)."""
+    window = _window(X, State, stride_c, chans, mask, taps, WIDTH)
     in_w = mask[:, None] & (taps[None, :] < WIDTH)
     w = tl.load(W + chans[:, None] * WIDTH + taps[None, :], mask=in_w, other=0.0)
     return _silu(tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)), window
@@ -150,6 +156,94 @@ def _decode_kernel(
     _shift_in(conv, stride_cc, q_chans, mk, taps, q_window, WIDTH)
     _shift_in(conv, stride_cc, k_chans, mk, taps, k_window, WIDTH)
 
+    _shift_in(conv, stride_cc, q_chans, mk, taps, q_window, WIDTH)
+    _shift_in(conv, stride_cc, k_chans, mk, taps, k_window, WIDTH)
+
+
+# ---- decode in two kernels: the recurrence over blocks of value columns, then the rest
+#
+# The fused kernel's program holds a whole state (dk x dv floats, 64 KB at 128 x 128): at
+# batch 1 a layer is 16 such programs on a machine of 132 SMs, each waiting out its loads;
+# at batch 64 few fit on an SM at once. Here the recurrence's program holds dk x SPLIT_DV
+# of one value head, so a layer has dv / SPLIT_DV times as many, smaller ones. A value
+# column's update needs all of q and k but nothing of the other columns; what needs the
+# whole head (the norm), or must wait until every program has read the conv state (its
+# shift), is the second kernel's.
+
+SPLIT_DV = 32  # value columns a program of the recurrence holds
+
+
+@triton.jit
+def _decode_columns_kernel(
+    QKV, A, Bp, ALog, DtBias, ConvW, ConvState, SSM, Slots, Cols,
+    scale,
+    stride_qkv, stride_a, stride_b, stride_o,
+    stride_cs, stride_cc, stride_ss, stride_sh,
+    KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """One program per (request, value head, block of value columns): the conv of its q, k
+    and value columns read from the conv state (not shifted here), its block of the state
+    updated in place, the head's output columns (before the norm) into Cols, in float32."""
+    row, hv, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h = hv // PER_KEY
+    slot = tl.load(Slots + row).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_DK)
+    mk = offs_k < DK
+    cols = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    mv = cols < DV
+    at = SSM + slot * stride_ss + hv * stride_sh + offs_k[:, None] * DV + cols[None, :]
+    smask = mk[:, None] & mv[None, :]
+    S = tl.load(at, mask=smask, other=0.0)  # the largest read, on its way first
+    x = QKV + row * stride_qkv
+    conv = ConvState + slot * stride_cs
+    taps = tl.arange(0, BLOCK_W)
+    q, _ = _conv_window(x, ConvW, conv, stride_cc, h * DK + offs_k, mk, taps, WIDTH)
+    k, _ = _conv_window(x, ConvW, conv, stride_cc, KEY_DIM + h * DK + offs_k, mk, taps, WIDTH)
+    v, _ = _conv_window(x, ConvW, conv, stride_cc, 2 * KEY_DIM + hv * DV + cols, mv, taps, WIDTH)
+    g, beta = _gates(A, Bp, ALog, DtBias, row, hv, stride_a, stride_b)
+    S, o = _delta_step(S, _l2normed(q) * scale, _l2normed(k), v, g, beta)
+    tl.store(at, S, mask=smask)
+    tl.store(Cols + row * stride_o + hv * DV + cols, o, mask=mv)
+
+
+@triton.jit
+def _decode_finish_kernel(
+    QKV, Z, Cols, NormW, ConvState, Slots, Out,
+    eps,
+    stride_qkv, stride_z, stride_o, stride_out, stride_cs, stride_cc,
+    KEY_DIM: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, PER_KEY: tl.constexpr,
+    WIDTH: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_W: tl.constexpr,
+):  # fmt: skip
+    """One program per (request, value head), after the recurrence: the head's gated RMSNorm,
+    and the conv state's shift for its value channels (and, for the first value head of a
+    key head, its q and k channels): every program of the recurrence has read them."""
+    row, hv = tl.program_id(0), tl.program_id(1)
+    offs_v = tl.arange(0, BLOCK_DV)
+    mv = offs_v < DV
+    o = tl.load(Cols + row * stride_o + hv * DV + offs_v, mask=mv, other=0.0)
+    z = tl.load(Z + row * stride_z + hv * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+    norm_w = tl.load(NormW + offs_v, mask=mv, other=0.0).to(tl.float32)
+    o = o / tl.sqrt(tl.sum(o * o, axis=0) / DV + eps) * norm_w * _silu(z)
+    tl.store(Out + row * stride_out + hv * DV + offs_v, o, mask=mv)
+    slot = tl.load(Slots + row).to(tl.int64)
+    x = QKV + row * stride_qkv
+    conv = ConvState + slot * stride_cs
+    taps = tl.arange(0, BLOCK_W)
+    v_chans = 2 * KEY_DIM + hv * DV + offs_v
+    window = _window(x, conv, stride_cc, v_chans, mv, taps, WIDTH)
+    tl.debug_barrier()  # every thread has read the channels' state before any is shifted
+    _shift_in(conv, stride_cc, v_chans, mv, taps, window, WIDTH)
+    if hv % PER_KEY == 0:  # the first value head of its key head: q's and k's channels too
+        offs_k = tl.arange(0, BLOCK_DK)
+        mk = offs_k < DK
+        q_chans, k_chans = hv // PER_KEY * DK + offs_k, KEY_DIM + hv // PER_KEY * DK + offs_k
+        q_window = _window(x, conv, stride_cc, q_chans, mk, taps, WIDTH)
+        k_window = _window(x, conv, stride_cc, k_chans, mk, taps, WIDTH)
+        tl.debug_barrier()
+        _shift_in(conv, stride_cc, q_chans, mk, taps, q_window, WIDTH)
+        _shift_in(conv, stride_cc, k_chans, mk, taps, k_window, WIDTH)
+
 
 def decode_step(
     qkv: torch.Tensor,  # [B, conv_dim]: the token's q, k and v before the conv
@@ -165,6 +259,7 @@ def decode_step(
     ssm_state: torch.Tensor,  # [slots, value heads, dk, dv] float32, updated in place
     slots: torch.Tensor,  # [B]: each request's slot
     shape: LinearAttention,
+    split: bool = False,  # two kernels, the recurrence over blocks of value columns
 ) -> torch.Tensor:
     """One decode token per request through a linear layer, up to its output projection:
     the gated, normalised output [B, value heads, dv] in qkv's dtype."""
@@ -174,6 +269,11 @@ def decode_step(
     out = torch.empty(reqs, s.num_value_heads, s.value_head_dim, dtype=qkv.dtype, device=qkv.device)
     dk, dv = s.key_head_dim, s.value_head_dim
     block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    if split:
+        return _decode_split(
+            qkv, z, a, b, A_log, dt_bias, conv_weight, norm_weight, eps, conv_state, ssm_state,
+            slots, s, out,
+        )  # fmt: skip
     _decode_kernel[(reqs, s.num_key_heads)](
         qkv, z, a, b, A_log, dt_bias, conv_weight, norm_weight, conv_state, ssm_state, slots,
         out, eps, dk**-0.5,
@@ -184,6 +284,40 @@ def decode_step(
         BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_W=triton.next_power_of_2(s.conv_kernel),
         EARLY=reqs * s.num_key_heads <= EARLY_PROGRAMS,
         num_warps=8 if block_dk * block_dv >= 128 * 64 else 4,
+    )  # fmt: skip
+    return out
+
+
+def _decode_split(
+    qkv: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, conv_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+    conv_state: torch.Tensor, ssm_state: torch.Tensor, slots: torch.Tensor,
+    s: LinearAttention, out: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """`decode_step` in two kernels (see _decode_columns_kernel)."""
+    reqs, dk, dv = qkv.size(0), s.key_head_dim, s.value_head_dim
+    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    block_v = min(SPLIT_DV, block_dv)
+    o = torch.empty(reqs, s.num_value_heads * dv, dtype=torch.float32, device=qkv.device)
+    common = dict(
+        KEY_DIM=s.num_key_heads * dk,
+        DK=dk,
+        DV=dv,
+        PER_KEY=s.num_value_heads // s.num_key_heads,
+        WIDTH=s.conv_kernel,
+        BLOCK_DK=block_dk,
+        BLOCK_W=triton.next_power_of_2(s.conv_kernel),
+    )
+    _decode_columns_kernel[(reqs, s.num_value_heads, triton.cdiv(dv, block_v))](
+        qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, slots, o, dk**-0.5,
+        qkv.stride(0), a.stride(0), b.stride(0), o.stride(0),
+        conv_state.stride(0), conv_state.stride(1), ssm_state.stride(0), ssm_state.stride(1),
+        BLOCK_V=block_v, num_warps=4, **common,
+    )  # fmt: skip
+    _decode_finish_kernel[(reqs, s.num_value_heads)](
+        qkv, z, o, norm_weight, conv_state, slots, out, eps,
+        qkv.stride(0), z.stride(0), o.stride(0), out.stride(0),
+        conv_state.stride(0), conv_state.stride(1), BLOCK_DV=block_dv, num_warps=4, **common,
     )  # fmt: skip
     return out
 

@@ -86,6 +86,7 @@ class RecurrentStatePool:
         self.kernels = gated_delta_kernels(device)
         # a prefill's recurrence in ours: in two passes (gated_delta_chunks.py) or one
         self.two_pass = ENV.GATED_DELTA_PREFILL.value == "two-pass"
+        self.split_decode = ENV.GATED_DELTA_DECODE.value == "split"  # a decode step's kernels
         conv = (num_layers, num_slots, s.conv_dim, s.conv_kernel - 1)
         ssm = (num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim)
         self.conv = torch.zeros(conv, dtype=conv_dtype, device=device)

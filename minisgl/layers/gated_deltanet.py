@@ -321,7 +321,7 @@ class GatedDeltaNet(nn.Module):
         if batch.is_decode:
             return gated_delta.decode_step(
                 qkv, z, a, b, self.A_log, self.dt_bias, weight, self.norm.weight,
-                self.norm.eps, conv, ssm, batch.state_slots, self.shape,
+                self.norm.eps, conv, ssm, batch.state_slots, self.shape, pool.split_decode,
             )  # fmt: skip
         slots, offsets = batch.state_slots, batch.state_offsets
         rule = gated_delta_chunks.chunks_varlen if pool.two_pass else gated_delta.chunked_varlen
