@@ -178,6 +178,22 @@ def test_evict_is_lru_over_unlocked_leaves(page_size: int) -> None:
     assert (cache.evictable_tokens, cache.protected_tokens) == (0, 0)
 
 
+def test_a_full_cache_evicts_ahead_and_a_small_pool_just_enough() -> None:
+    """A full cache frees 1/64 of the pool at once (each eviction walks the whole tree), so
+    the next steps find free pages; a pool of fewer than 64 pages evicts what it is short of."""
+    from minisgl.scheduler.cache import CacheManager
+
+    for pages, freed in ((256, 4), (32, 1)):
+        cm = CacheManager(pages, 1, torch.zeros(2, 8, dtype=torch.int32), "radix")
+        for t in range(pages):  # every page a one-token leaf, oldest first
+            cm.cache.insert(ids(t), ids(*cm.allocator.alloc(1)))
+        assert cm.allocator.num_free == 0
+        cm._evict_for(1)
+        assert cm.allocator.num_free == freed
+        assert [cm.cache.match_prefix(ids(t)).length for t in range(freed + 1)] == [0] * freed + [1]
+        cm.check_integrity([])
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_evict_reaches_inner_nodes_once_their_children_are_gone(page_size: int) -> None:
     cache = RadixCache(page_size)

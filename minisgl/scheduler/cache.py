@@ -17,6 +17,10 @@ from minisgl.kvcache.naive_cache import NaiveCache
 from minisgl.kvcache.radix_cache import RadixCache  # [ch11]
 from minisgl.utils import cdiv, to_device
 
+# An eviction frees at least 1/EVICT_AHEAD of the pool: a full cache then walks its tree
+# once in many steps, not in every step (each needs a few pages).
+EVICT_AHEAD = 64
+
 
 class CacheManager:
     def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor, cache_type: str):
@@ -117,8 +121,9 @@ class CacheManager:
 
     def _evict_for(self, num_pages: int) -> None:
         short = num_pages - self.allocator.num_free
-        if short > 0:
-            self._free_slots(self.cache.evict(short * self.page_size))
+        if short > 0:  # and a little more: each eviction walks the whole tree
+            ahead = max(short, self.num_pages // EVICT_AHEAD)
+            self._free_slots(self.cache.evict(ahead * self.page_size))
         if self.allocator.num_free < num_pages:
             raise MemoryError(f"needed {num_pages} KV pages, only {self.allocator.num_free} free")
 
