@@ -73,16 +73,18 @@ class _Env:
         # auto: ours on CUDA (measured faster there: docs/benchmarks.md), torch elsewhere
         self.GATED_DELTA = EnvVar.read("GATED_DELTA", "auto", choices=("auto", "torch", "triton"))
         # a prefill's recurrence in our kernels: one-pass (each request's chunks of 16 walked
-        # with all their work inside) or two-pass (kernels/gated_delta_chunks.py: every chunk's
-        # own work at once, then walks of 64 tokens a step); not yet measured on a GPU
+        # with all their work inside), two-pass (kernels/gated_delta_chunks.py: every chunk's
+        # own work at once, then walks of 64 tokens a step) or auto: two passes where the
+        # batch's requests average more than 2,048 tokens (measured: docs/benchmarks.md)
         self.GATED_DELTA_PREFILL = EnvVar.read(
-            "GATED_DELTA_PREFILL", "one-pass", choices=("one-pass", "two-pass")
+            "GATED_DELTA_PREFILL", "auto", choices=("auto", "one-pass", "two-pass")
         )
         # a decode step in our kernels: fused (one kernel, a program per request and key head
-        # holding whole states) or split (kernels/gated_delta.py: the recurrence over blocks of
-        # value columns, then the norm and the conv state's shift); not yet measured on a GPU
+        # holding whole states), split (the recurrence over blocks of value columns, then the
+        # norm and the conv state's shift) or auto: split where the fused kernel would have
+        # few programs (measured: docs/benchmarks.md)
         self.GATED_DELTA_DECODE = EnvVar.read(
-            "GATED_DELTA_DECODE", "fused", choices=("fused", "split")
+            "GATED_DELTA_DECODE", "auto", choices=("auto", "fused", "split")
         )
         # <<< ch31
 

@@ -165,7 +165,7 @@ def test_torch_path_batches_requests_as_each_alone() -> None:
 
 
 def both_paths(
-    lengths: list[int], slots: list[int], two_pass: bool = False, split_decode: bool = False
+    lengths: list[int], slots: list[int], two_pass: bool = False, split_decode: bool | None = False
 ):
     """(torch's output and pool, the kernels' output and pool) from the same start."""
     layer = make_layer()
@@ -216,6 +216,44 @@ def test_split_decode_kernels_equal_the_torch_path(columns: int, monkeypatch) ->
     assert got.shape == want.shape
     assert close(got[:3], want[:3], 1e-5)
     assert_same_states(want_pool, got_pool, slots)
+
+
+@triton_only
+def test_a_decode_step_splits_where_the_fused_kernel_has_few_programs(monkeypatch) -> None:
+    """By default (MINISGL_GATED_DELTA_DECODE=auto) a batch whose fused kernel would have
+    EARLY_PROGRAMS programs or fewer (one per request and key head) takes the two kernels;
+    either way the step equals the torch path."""
+    sizes = []
+    split = gated_delta._decode_split
+    monkeypatch.setattr(
+        gated_delta, "_decode_split", lambda *a: sizes.append(len(a[0])) or split(*a)
+    )
+    monkeypatch.setattr(gated_delta, "EARLY_PROGRAMS", 2 * SHAPE.num_key_heads)  # 2 requests
+    for n in (1, 2, 3):
+        slots = [3, 0, 4][:n]
+        (want, want_pool), (got, got_pool) = both_paths([1] * n, slots, split_decode=None)
+        assert close(got, want, 1e-5)
+        assert_same_states(want_pool, got_pool, slots)
+    assert sizes == [1, 2]
+
+
+def test_a_prefill_takes_two_passes_where_its_requests_are_few_and_long() -> None:
+    """MINISGL_GATED_DELTA_PREFILL=auto: two passes where the batch's requests (empty ones
+    left out) average more than TWO_PASS_FROM tokens, decided as the batch is prepared."""
+    from minisgl.kvcache import state_pool
+
+    pool = make_pool()
+    assert pool.prefill_rule == "auto"
+    long = state_pool.TWO_PASS_FROM
+    for lengths, two in (
+        ([2 * long], True), ([long], False), ([long + 8, 8, 0], False),
+        ([2 * long, 2 * long, 0, 0], True), ([long // 2] * 4, False), ([16] * 3, False),
+    ):  # fmt: skip
+        reqs = [
+            SimpleNamespace(table_idx=i, extend_len=n, cached_len=1) for i, n in enumerate(lengths)
+        ]
+        pool.prepare(SimpleNamespace(padded_reqs=reqs))  # type: ignore[arg-type]
+        assert pool.two_pass == two, lengths
 
 
 @triton_only

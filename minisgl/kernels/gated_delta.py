@@ -11,7 +11,9 @@ is one kernel that reads each state once and writes it once, in place, in its sl
 Decode: one program per (request, key head). It owns the conv channels of its q and k head
 and of the value heads that share them, so it alone shifts their conv state: no other
 program reads a channel it writes. Then, for each of those value heads, the state [dk, dv]
-sits in registers for one update, and the gated RMSNorm of the head's output follows.
+sits in registers for one update, and the gated RMSNorm of the head's output follows. At
+small batches those programs are too few for the machine, and the step runs in two kernels
+instead (`_decode_columns_kernel`, then `_decode_finish_kernel`: see there).
 
 Prefill (and verify): lengths differ per request, and a CUDA graph must not bake them in,
 so every kernel reads where each request's tokens start (`offsets` [requests + 1]) and its
@@ -171,6 +173,10 @@ def _decode_kernel(
 # shift), is the second kernel's.
 
 SPLIT_DV = 32  # value columns a program of the recurrence holds
+# Measured on one H200 (docs/benchmarks.md), a layer's decode step in µs, fused / split: the
+# 0.8B's 16 heads 12.3 / 7.5 at batch 1, 16.0 / 14.7 at 8, 63.4 / 68.4 at 64, 234 / 251 at
+# 256; the 9B's (32 value heads) 18.1 / 8.4, 23.1 / 23.2, 112 / 127, 420 / 482. So a step
+# splits where the fused kernel has EARLY_PROGRAMS programs or fewer (batch 8 and below).
 
 
 @triton.jit
@@ -259,7 +265,8 @@ def decode_step(
     ssm_state: torch.Tensor,  # [slots, value heads, dk, dv] float32, updated in place
     slots: torch.Tensor,  # [B]: each request's slot
     shape: LinearAttention,
-    split: bool = False,  # two kernels, the recurrence over blocks of value columns
+    split: bool | None = None,  # two kernels (the recurrence over blocks of value columns);
+    # None: where the fused kernel would have few programs (EARLY_PROGRAMS or fewer)
 ) -> torch.Tensor:
     """One decode token per request through a linear layer, up to its output projection:
     the gated, normalised output [B, value heads, dv] in qkv's dtype."""
@@ -269,7 +276,7 @@ def decode_step(
     out = torch.empty(reqs, s.num_value_heads, s.value_head_dim, dtype=qkv.dtype, device=qkv.device)
     dk, dv = s.key_head_dim, s.value_head_dim
     block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    if split:
+    if split or (split is None and reqs * s.num_key_heads <= EARLY_PROGRAMS):
         return _decode_split(
             qkv, z, a, b, A_log, dt_bias, conv_weight, norm_weight, eps, conv_state, ssm_state,
             slots, s, out,

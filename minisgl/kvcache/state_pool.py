@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
 
 logger = logging.getLogger(__name__)
+# A prefill's recurrence runs in two passes (gated_delta_chunks.py) where its requests average
+# more tokens than this: on one H200 two passes took 1x4096 tokens 1.50x faster and 2x4096
+# 1.16x, one pass 4x1024 1.49x and 16x256 1.69x (docs/benchmarks.md). Prefill graphs (2,048
+# tokens at most) stay on one pass, whatever requests they replay.
+TWO_PASS_FROM = 2048
 
 
 class EngineShape(Protocol):
@@ -85,8 +90,12 @@ class RecurrentStatePool:
         self.num_slots, self.num_snapshots, self.device = num_slots, num_snapshots, device
         self.kernels = gated_delta_kernels(device)
         # a prefill's recurrence in ours: in two passes (gated_delta_chunks.py) or one
-        self.two_pass = ENV.GATED_DELTA_PREFILL.value == "two-pass"
-        self.split_decode = ENV.GATED_DELTA_DECODE.value == "split"  # a decode step's kernels
+        self.prefill_rule = ENV.GATED_DELTA_PREFILL.value
+        self.two_pass = self.prefill_rule == "two-pass"  # for the batch at hand (`prepare`)
+        # a decode step's kernels: split or fused, None: by the batch's size (gated_delta.py)
+        self.split_decode = {"auto": None, "split": True, "fused": False}[
+            ENV.GATED_DELTA_DECODE.value
+        ]
         conv = (num_layers, num_slots, s.conv_dim, s.conv_kernel - 1)
         ssm = (num_layers, num_slots, s.num_value_heads, s.key_head_dim, s.value_head_dim)
         self.conv = torch.zeros(conv, dtype=conv_dtype, device=device)
@@ -147,6 +156,9 @@ class RecurrentStatePool:
         batch.state_slots, batch.state_offsets = to_device(
             slots + offsets, self.device, torch.int64
         ).split([len(slots), len(offsets)])
+        if self.prefill_rule == "auto":  # few long requests: two passes (docs/benchmarks.md)
+            live = [r.extend_len for r in reqs if r.extend_len]
+            self.two_pass = sum(live) > TWO_PASS_FROM * len(live)
         fresh = [r.table_idx for r in reqs if r.cached_len == 0]
         if fresh:
             index = to_device(fresh, self.device, torch.int64)
