@@ -594,6 +594,47 @@ def conv_roll_back(
     )  # fmt: skip
 
 
+@triton.jit(do_not_specialize=["rows"])
+def _gated_norm_kernel(
+    X, Z, W, Out, eps, rows,
+    stride_x, stride_z, stride_out,
+    HEADS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) rows
+    t, h = r // HEADS, r % HEADS
+    d = tl.arange(0, BLOCK_D)
+    m = (r < rows)[:, None] & (d < D)[None, :]
+    x = tl.load(X + t[:, None] * stride_x + h[:, None] * D + d[None, :], mask=m, other=0.0)
+    z = tl.load(Z + t[:, None] * stride_z + h[:, None] * D + d[None, :], mask=m, other=0.0)
+    w = tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
+    x = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+    y = x * rstd[:, None] * w[None, :] * _silu(z.to(tl.float32))
+    tl.store(Out + t[:, None] * stride_out + h[:, None] * D + d[None, :], y, mask=m)
+
+
+def gated_norm(
+    o: torch.Tensor,  # [T, value heads, dv]: a rule's output (float32)
+    z: torch.Tensor,  # [T, value heads * dv]: the output gate, rows may be strided
+    weight: torch.Tensor,  # [dv]
+    eps: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The gated RMSNorm of a prefill's or a verify's output in one kernel (the decode kernel
+    has it inside): per head, o normalised, times the weight and SiLU(z), in float32 from
+    the rule's own output; [T, value heads, dv] in `dtype`. Torch ran it as eight kernels
+    a linear layer, and a verify step of Qwen3.5-0.8B has 18 such layers."""
+    T, heads, dv = o.shape
+    assert o.stride(2) == 1 and o.stride(1) == dv and z.stride(1) == 1
+    out = torch.empty(T, heads, dv, dtype=dtype, device=o.device)
+    block_r = 16
+    _gated_norm_kernel[(triton.cdiv(T * heads, block_r),)](
+        o, z, weight, out, eps, T * heads, o.stride(0), z.stride(0), out.stride(0),
+        HEADS=heads, D=dv, BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(dv), num_warps=4,
+    )  # fmt: skip
+    return out
+
+
 def varlen_out(mixed: torch.Tensor, ssm_state: torch.Tensor, s: LinearAttention) -> torch.Tensor:
     """A varlen rule's output, [T, value heads, dv] in float32, once its inputs are checked."""
     assert mixed.stride(1) == 1 and ssm_state.dtype == torch.float32

@@ -341,5 +341,4 @@ class GatedDeltaNet(nn.Module):
         else:
             mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
-        o = o.to(qkv.dtype)
-        return self.norm(o, z.view_as(o))
+        return gated_delta.gated_norm(o, z, self.norm.weight, self.norm.eps, qkv.dtype)
