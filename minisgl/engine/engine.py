@@ -182,7 +182,7 @@ class Engine:
     # <<< ch19
     def _logits(self, batch: Batch) -> torch.Tensor:
         # >>> ch18
-        if self.graph_runner.can_use_cuda_graph(batch):
+        if batch.graphed:  # prepare_batch found it a graph
             return self.graph_runner.replay(batch)
         # <<< ch18
         # >>> ch25 rows for every prompt position of some requests, not one per request

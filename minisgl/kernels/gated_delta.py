@@ -274,13 +274,13 @@ def decode_step(
     _check(qkv, conv_weight, conv_state, ssm_state, s)
     reqs = qkv.size(0)
     out = torch.empty(reqs, s.num_value_heads, s.value_head_dim, dtype=qkv.dtype, device=qkv.device)
-    dk, dv = s.key_head_dim, s.value_head_dim
-    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     if split or (split is None and reqs * s.num_key_heads <= EARLY_PROGRAMS):
         return _decode_split(
             qkv, z, a, b, A_log, dt_bias, conv_weight, norm_weight, eps, conv_state, ssm_state,
             slots, s, out,
         )  # fmt: skip
+    dk, dv = s.key_head_dim, s.value_head_dim
+    block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
     _decode_kernel[(reqs, s.num_key_heads)](
         qkv, z, a, b, A_log, dt_bias, conv_weight, norm_weight, conv_state, ssm_state, slots,
         out, eps, dk**-0.5,

@@ -324,7 +324,6 @@ class GatedDeltaNet(nn.Module):
                 self.norm.eps, conv, ssm, batch.state_slots, self.shape, pool.split_decode,
             )  # fmt: skip
         slots, offsets = batch.state_slots, batch.state_offsets
-        rule = gated_delta_chunks.chunks_varlen if pool.two_pass else gated_delta.chunked_varlen
         if batch.phase == "verify":  # the slots keep the states before it
             keep = pool.verify_views(self.index, qkv.size(0), slots.size(0))
             torch.index_select(conv, 0, slots, out=keep.conv)
@@ -339,6 +338,7 @@ class GatedDeltaNet(nn.Module):
             )
             pool.gates[self.index] = self.A_log, self.dt_bias  # for the roll back
         else:
+            rule = gated_delta_chunks.chunks_varlen if pool.two_pass else gated_delta.chunked_varlen
             mixed = gated_delta.conv_varlen(qkv, weight, conv, slots, offsets)
             o = rule(mixed, a, b, self.A_log, self.dt_bias, ssm, slots, offsets, self.shape)
         return gated_delta.gated_norm(o, z, self.norm.weight, self.norm.eps, qkv.dtype)
