@@ -64,8 +64,8 @@ MODEL = ("--model", str(TINY["llama"]), "--device", "cpu")
 SMOKE = {
     "bench_offline.py": (
         [*MODEL, "--num-seqs", "4", "--max-input", "24", "--min-output", "4", "--max-output", "8"]
-        + ["--skip-hf"],
-        "| minisgl |",
+        + ["--skip-hf", "--steps"],
+        "| prefill | 1 |",
     ),
     "bench_latency.py": (
         [*MODEL, "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "8"]

@@ -5,6 +5,10 @@ uniformly from ranges, EOS ignored so every request produces exactly its output 
 The defaults are scaled down so a CPU run takes minutes; on a GPU raise them.
 
     python tools/bench_offline.py --model models/SmolLM2-135M-Instruct --num-seqs 16
+
+`--steps` times each scheduler step of the timed run (from one forward's start to the next:
+with overlap scheduling, the host's work and the device's of one step) and prints where the
+run went: prefill steps, and decode steps by batch size.
 """
 
 from __future__ import annotations
@@ -30,6 +34,42 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int], int]
     ]
 
 
+class StepTimes:
+    """A scheduler listener: each forward's phase, batch size, new tokens and start time."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[str, int, int, float]] = []
+
+    def forward_begins(self, batch) -> None:
+        tokens = batch.size if batch.is_decode else sum(r.extend_len for r in batch.reqs)
+        self.steps.append((batch.phase, batch.size, tokens, time.perf_counter()))
+
+    def forward_launched(self, batch) -> None:
+        pass
+
+    def table(self, end: float) -> str:
+        """Steps by kind: prefill (and verify), decode by batch size in powers of two."""
+        groups: dict[tuple[int, str], list[float]] = {}
+        tokens: dict[tuple[int, str], int] = {}
+        ends = [t for *_, t in self.steps[1:]] + [end]
+        for (phase, size, new, start), stop in zip(self.steps, ends):
+            key = (0, phase)
+            if phase == "decode":
+                hi = 1 << (size - 1).bit_length()
+                lo = hi // 2 + 1 if hi > 2 else hi
+                key = (-hi, f"decode, batch {lo}-{hi}" if lo < hi else f"decode, batch {hi}")
+            groups.setdefault(key, []).append(stop - start)
+            tokens[key] = tokens.get(key, 0) + new
+        lines = ["| steps | count | time (s) | ms/step | tokens/step |", "|---|---|---|---|---|"]
+        for key in sorted(groups, key=lambda k: (k[0] != 0, k)):
+            times, n = groups[key], len(groups[key])
+            lines.append(
+                f"| {key[1]} | {n} | {sum(times):.2f} | {1e3 * sum(times) / n:.2f}"
+                f" | {tokens[key] / n:.0f} |"
+            )
+        return "\n".join(lines)
+
+
 def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -> float:
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
@@ -47,10 +87,15 @@ def bench_minisgl(args: argparse.Namespace, reqs: list[tuple[list[int], int]]) -
     sync(args.device)
     print(f"Triton in the warm-up: {jit.summary()}")
     built = len(jit.builds)
+    steps = StepTimes()
+    if args.steps:
+        llm.scheduler.listeners.append(steps)
     start = time.perf_counter()
     outputs = llm.generate([ids for ids, _ in reqs], params)
     sync(args.device)
     elapsed = time.perf_counter() - start
+    if args.steps:
+        print(steps.table(start + elapsed))
     print(f"Triton in the timed run: {jit.summary(jit.builds[built:])}")
     assert [len(o["token_ids"]) for o in outputs] == [n for _, n in reqs]
     llm.shutdown()
@@ -105,6 +150,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=16)
     p.add_argument("--skip-hf", action="store_true", help="measure minisgl only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", action="store_true", help="where the run went, by kind of step")
     args = parse(p)
 
     from minisgl.models.config import ModelConfig

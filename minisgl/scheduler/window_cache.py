@@ -58,7 +58,7 @@ class WindowCacheManager(CacheManager):
         self.window_table = pool.window_table
         self.window_pages = PageAllocator(pool.num_window_pages)
         self.none = pool.num_window_pages  # the windowed dummy page: no windowed page
-        self.wmap = torch.full((num_pages + 1,), self.none, dtype=torch.int32)  # host copy
+        self.wmap = [self.none] * (num_pages + 1)  # host copy, a list: read per page per step
         self.refs = [0] * num_pages  # running requests holding each full page's windowed page
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached, unheld: least recent first
         self.hold_from: dict[int, int] = {}  # row -> the first position its request holds
@@ -87,8 +87,8 @@ class WindowCacheManager(CacheManager):
         ps, m = self.page_size, full.length
         if m == 0:
             return full
-        pages = (full.slots[::ps] // ps).long()
-        missing = (self.wmap[pages] == self.none).to(torch.int32)
+        pages = (full.slots[::ps] // ps).tolist()
+        missing = torch.tensor([self.wmap[p] == self.none for p in pages], dtype=torch.int32)
         count = torch.cat([torch.zeros(1, dtype=torch.int32), missing.cumsum(0)])
         ends = torch.arange(len(pages) + 1)  # a match of `end` pages...
         first = (ends * ps - self.window + 1).clamp(min=0) // ps  # reads pages first..end-1
@@ -103,22 +103,22 @@ class WindowCacheManager(CacheManager):
         super().attach(req, match)
         start = self._first_read(match.length)
         self.hold_from[req.table_idx] = start
-        self._hold(req.table_idx, start, match.length)
+        self._hold(req.table_idx, start, self._pages(req.table_idx, start, match.length))
         self._commit()
 
     def allocate(self, reqs: list[Req]) -> None:
         """Give back the windowed pages the requests have left behind, then take the new
         pages' windowed parts (evicting the prefix cache if they run short)."""
-        for req in reqs:
-            self._advance(req)
+        self._advance(reqs)
         self._commit()
         before = [req.alloc_len for req in reqs]
         super().allocate(reqs)
         self._commit()  # what eviction freed
         new = sum(req.alloc_len - b for req, b in zip(reqs, before)) // self.page_size
         self._room(new)
-        for req, b in zip(reqs, before):
-            self._hold(req.table_idx, b, req.alloc_len)
+        spans = [(req.table_idx, b, req.alloc_len) for req, b in zip(reqs, before)]
+        for (row, start, _), pages in zip(spans, self._pages_of(spans)):
+            self._hold(row, start, pages)
         self._commit()
 
     def cache_req(self, req: Req, finished: bool) -> None:
@@ -137,12 +137,12 @@ class WindowCacheManager(CacheManager):
         for i, (o, c) in enumerate(zip(old, new)):
             if o == c:
                 continue
-            if int(self.wmap[c]) == self.none and o in self._orphans:
+            if self.wmap[c] == self.none and o in self._orphans:
                 self._map(c, self._orphans.pop(o))  # the same keys: the copy takes the page
-            self._hold(row, start + i * ps, start + (i + 1) * ps, [c])
+            self._hold(row, start + i * ps, [c])
         if finished:  # the pages not freed with the request are the cache's now
             for page in new:
-                if int(self.wmap[page]) != self.none:
+                if self.wmap[page] != self.none:
                     self._release(page, cached=True)
             del self.hold_from[row]
         self._commit()
@@ -155,7 +155,7 @@ class WindowCacheManager(CacheManager):
     def _free_slots(self, slots: torch.Tensor) -> None:
         """Full pages freed: their windowed pages too, whatever held them."""
         for page in (slots[:: self.page_size] // self.page_size).tolist():
-            w = int(self.wmap[page])
+            w = self.wmap[page]
             if w != self.none:
                 self._map(page, self.none)
                 self._orphans[page] = w
@@ -174,19 +174,32 @@ class WindowCacheManager(CacheManager):
     def _pages(self, row: int, start: int, end: int) -> list[int]:
         return (self.host_table[row, start : end : self.page_size] // self.page_size).tolist()
 
-    def _hold(self, row: int, start: int, end: int, pages: list[int] | None = None) -> None:
-        """The request of `row` holds the windowed parts of its pages over [start, end),
-        each taken from the free list where it has none; its table entries written."""
-        ps, width = self.page_size, self.window_table.size(1)
-        pages = self._pages(row, start, end) if pages is None else pages
+    def _pages_of(self, spans: list[tuple[int, int, int]]) -> list[list[int]]:
+        """`_pages` of each (row, start, end), read from the table at once: a decode step
+        asks for one page a request, and one read per request costs more than the rest."""
+        ps, width, flat = self.page_size, self.host_table.size(1), []
+        for row, start, end in spans:
+            flat += range(row * width + start, row * width + end, ps)
+        pages = (self.host_table.view(-1)[torch.tensor(flat, dtype=torch.int64)] // ps).tolist()
+        out, at = [], 0
+        for _, start, end in spans:
+            n = len(range(start, end, ps))
+            out.append(pages[at : at + n])
+            at += n
+        return out
+
+    def _hold(self, row: int, start: int, pages: list[int]) -> None:
+        """The request of `row` holds the windowed parts of its pages from `start` on, each
+        taken from the free list where it has none; its table entries written."""
+        ps, width, wmap = self.page_size, self.window_table.size(1), self.wmap
         for i, page in enumerate(pages):
             self.refs[page] += 1
             self.idle.pop(page, None)
-            if int(self.wmap[page]) == self.none:
+            if wmap[page] == self.none:
                 self._map(page, self.window_pages.alloc(1)[0])
             place = row * width + start + i * ps
             self._places += range(place, place + ps)
-            first = int(self.wmap[page]) * ps
+            first = wmap[page] * ps
             self._slots += range(first, first + ps)
 
     def _release(self, page: int, cached: bool) -> None:
@@ -199,24 +212,26 @@ class WindowCacheManager(CacheManager):
         if cached:
             self.idle[page] = None
         else:
-            self.window_pages.free([int(self.wmap[page])])
+            self.window_pages.free([self.wmap[page]])
             self._map(page, self.none)
 
-    def _advance(self, req: Req) -> None:
-        """Give back the pages wholly before the first key the request's next query reads."""
-        row = req.table_idx
-        start, upto = self.hold_from[row], self._first_read(req.cached_len)
-        if upto > start:
-            for i, page in enumerate(self._pages(row, start, upto)):
+    def _advance(self, reqs: list[Req]) -> None:
+        """Give back the pages wholly before the first key each request's next query reads."""
+        moved = [(req, self.hold_from[req.table_idx], self._first_read(req.cached_len))
+                 for req in reqs]  # fmt: skip
+        moved = [(req, start, upto) for req, start, upto in moved if upto > start]
+        spans = [(req.table_idx, start, upto) for req, start, upto in moved]
+        for (req, start, upto), pages in zip(moved, self._pages_of(spans)):
+            for i, page in enumerate(pages):
                 self._release(page, cached=start + i * self.page_size < req.shared_len)
-            self.hold_from[row] = upto
+            self.hold_from[req.table_idx] = upto
 
     def _room(self, n: int) -> None:
         """At least n free windowed pages: the idle ones freed, least recently released
         first, then the prefix cache evicted, if need be."""
         while self.window_pages.num_free < n and self.idle:
             page, _ = self.idle.popitem(last=False)
-            self.window_pages.free([int(self.wmap[page])])
+            self.window_pages.free([self.wmap[page]])
             self._map(page, self.none)
         while self.window_pages.num_free < n and self.cache.evictable_tokens:
             short = n - self.window_pages.num_free
@@ -251,7 +266,7 @@ class WindowCacheManager(CacheManager):
         """Also: every windowed page free or the part of one full page, held as counted by
         the running requests over their windows, or idle on a cached page."""
         super().check_integrity(running)
-        mapped = [w for w in self.wmap[:-1].tolist() if w != self.none]
+        mapped = [w for w in self.wmap[:-1] if w != self.none]
         every = self.window_pages.free_pages() + mapped
         assert len(every) == len(set(every)) == self.pool.num_window_pages, (
             f"windowed pages leaked or shared: {self.window_pages.num_free} free + "
@@ -263,7 +278,7 @@ class WindowCacheManager(CacheManager):
             for page in self._pages(req.table_idx, self.hold_from[req.table_idx], req.alloc_len):
                 held[page] += 1
         assert held == self.refs, "windowed pages' holders miscounted"
-        has = (self.wmap[:-1] != self.none).tolist()
+        has = [w != self.none for w in self.wmap[:-1]]
         idle = [page in self.idle for page in range(self.num_pages)]
         assert all(h == (r > 0 or i) for h, r, i in zip(has, self.refs, idle)), (
             "a windowed page neither held nor idle, or a held page without one"
@@ -272,7 +287,7 @@ class WindowCacheManager(CacheManager):
         assert all(r == 0 for r in (self.refs[p] for p in self.idle)) and cached >= set(
             self.idle
         ), "an idle windowed page is held, or on a page the cache does not hold"
-        assert torch.equal(self.pool.window_map.cpu(), self.wmap), "the device's map differs"
+        assert self.pool.window_map.tolist() == self.wmap, "the device's map differs"
 
 
 def window_cache(manager: CacheManager, kv_cache: object) -> CacheManager:
