@@ -12,7 +12,7 @@ from helpers import ROOT, SMOL, need
 
 from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.core import Batch, SamplingParams
-from minisgl.engine.graph import GraphCaptureBuffer, graph_batch_sizes
+from minisgl.engine.graph import GraphCaptureBuffer, default_max_bs, graph_batch_sizes
 from minisgl.llm import LLM
 
 PROMPTS = [
@@ -148,3 +148,11 @@ def test_debug_mode_equals_eager(eager: LLM) -> None:
     assert log == ["3->4"] * (TOKENS - 1)
     assert got == run(eager, PROMPTS[:3])[0]
     llm.shutdown()
+
+
+def test_default_largest_graph_by_the_card() -> None:
+    """256 on a card sold as 80 GB (an H100 has 79.2 GiB, about 78.7 free at start), 160 on
+    a 40 GB one."""
+    assert default_max_bs(int(78.7 * 2**30)) == 256
+    assert default_max_bs(int(139.0 * 2**30)) == 256
+    assert default_max_bs(int(39.0 * 2**30)) == 160

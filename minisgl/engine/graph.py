@@ -217,7 +217,7 @@ class GraphPlan:
         if sizes is None:
             max_bs = config.cuda_graph_max_bs
             if max_bs is None and device.type == "cuda":
-                max_bs = 256 if shape.free_memory_at_start > 80 * 2**30 else 160
+                max_bs = default_max_bs(shape.free_memory_at_start)
             max_bs = min(max_bs or 0, config.max_running_req)
             sizes = graph_batch_sizes(max_bs) if max_bs else []
         if blocker is not None:
@@ -227,6 +227,12 @@ class GraphPlan:
         shapes = [GraphShape(bs, bs) for bs in sorted(set(sizes))]
         plan.kinds.append(GraphKind(shapes, dummy_req))
         return plan
+
+
+def default_max_bs(free_bytes: int) -> int:
+    """The largest decode graph on a card with `free_bytes` free at start: 256 on a card sold
+    as 80 GB or more (10^9 bytes: an 80 GB H100 has 79 GiB), else 160."""
+    return 256 if free_bytes > 80 * 10**9 else 160
 
 
 class GraphRunner:
