@@ -15,7 +15,8 @@ their slots in a state pool. The sides:
 - torch: the layer's reference path (the default), the chunked delta rule for a prefill;
 - ours: kernels/gated_delta.py (MINISGL_GATED_DELTA=triton): one kernel a decode step
   ("ours, split N": two, the recurrence's programs holding N value columns each:
-  MINISGL_GATED_DELTA_DECODE=split; `--split-columns 16,32,64` compares several); a
+  MINISGL_GATED_DELTA_DECODE=split; `--split-columns 16,32,64:2` compares several, 64:2
+  with 2 warps a program); a
   prefill's conv, conv-state update and chunked recurrence (16 tokens a step), then the
   gated norm; "ours, by token" is the same with the token-by-token recurrence, "ours, two
   passes" with kernels/gated_delta_chunks.py's (every chunk's own work at once, then the
@@ -145,18 +146,22 @@ class Setup:
 
         return run
 
-    def decode_split(self, columns: int) -> Callable[[], torch.Tensor]:
+    def decode_split(self, columns: str) -> Callable[[], torch.Tensor]:
         """Our decode step in two kernels, the recurrence's programs holding `columns` value
-        columns each (MINISGL_GATED_DELTA_DECODE=split, kernels/gated_delta.py's SPLIT_DV)."""
+        columns each, "C" or "C:WARPS" (MINISGL_GATED_DELTA_DECODE=split, kernels/
+        gated_delta.py's SPLIT_DV and SPLIT_WARPS)."""
         from minisgl.kernels import gated_delta
 
+        cols, _, warps = columns.partition(":")
+        mine = (True, int(cols), int(warps or gated_delta.SPLIT_WARPS))
+
         def run() -> torch.Tensor:
-            was = self.pool.split_decode, gated_delta.SPLIT_DV
-            self.pool.split_decode, gated_delta.SPLIT_DV = True, columns
+            was = self.pool.split_decode, gated_delta.SPLIT_DV, gated_delta.SPLIT_WARPS
+            self.pool.split_decode, gated_delta.SPLIT_DV, gated_delta.SPLIT_WARPS = mine
             try:
                 return self.side("triton")()
             finally:
-                self.pool.split_decode, gated_delta.SPLIT_DV = was
+                self.pool.split_decode, gated_delta.SPLIT_DV, gated_delta.SPLIT_WARPS = was
 
         return run
 
@@ -329,11 +334,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=7, help="timed rounds, each side once a round")
     p.add_argument("--calls", type=int, default=20, help="decode calls captured in one graph")
     p.add_argument(
-        "--split-columns", default="32", help="decode in two kernels, value columns a program"
+        "--split-columns",
+        default="32",
+        help="decode in two kernels: value columns a program, or COLUMNS:WARPS",
     )
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
     args = parse(p, argv)
-    args.split_columns = [int(c) for c in args.split_columns.split(",") if c]
+    args.split_columns = [c for c in args.split_columns.split(",") if c]
     todo = cases(args)
     fla = fla_ops()
     split = "".join(f", ours split {c}" for c in args.split_columns)

@@ -158,9 +158,6 @@ def _decode_kernel(
     _shift_in(conv, stride_cc, q_chans, mk, taps, q_window, WIDTH)
     _shift_in(conv, stride_cc, k_chans, mk, taps, k_window, WIDTH)
 
-    _shift_in(conv, stride_cc, q_chans, mk, taps, q_window, WIDTH)
-    _shift_in(conv, stride_cc, k_chans, mk, taps, k_window, WIDTH)
-
 
 # ---- decode in two kernels: the recurrence over blocks of value columns, then the rest
 #
@@ -173,6 +170,7 @@ def _decode_kernel(
 # shift), is the second kernel's.
 
 SPLIT_DV = 32  # value columns a program of the recurrence holds
+SPLIT_WARPS = 4  # and its warps
 # Measured on one H200 (docs/benchmarks.md), a layer's decode step in µs, fused / split: the
 # 0.8B's 16 heads 12.3 / 7.5 at batch 1, 16.0 / 14.7 at 8, 63.4 / 68.4 at 64, 234 / 251 at
 # 256; the 9B's (32 value heads) 18.1 / 8.4, 23.1 / 23.2, 112 / 127, 420 / 482. So a step
@@ -319,7 +317,7 @@ def _decode_split(
         qkv, a, b, A_log, dt_bias, conv_weight, conv_state, ssm_state, slots, o, dk**-0.5,
         qkv.stride(0), a.stride(0), b.stride(0), o.stride(0),
         conv_state.stride(0), conv_state.stride(1), ssm_state.stride(0), ssm_state.stride(1),
-        BLOCK_V=block_v, num_warps=4, **common,
+        BLOCK_V=block_v, num_warps=SPLIT_WARPS, **common,
     )  # fmt: skip
     _decode_finish_kernel[(reqs, s.num_value_heads)](
         qkv, z, o, norm_weight, conv_state, slots, out, eps,
