@@ -169,12 +169,15 @@ def _decode_kernel(
 # whole head (the norm), or must wait until every program has read the conv state (its
 # shift), is the second kernel's.
 
-SPLIT_DV = 32  # value columns a program of the recurrence holds
-SPLIT_WARPS = 4  # and its warps
-# Measured on one H200 (docs/benchmarks.md), a layer's decode step in µs, fused / split: the
-# 0.8B's 16 heads 12.3 / 7.5 at batch 1, 16.0 / 14.7 at 8, 63.4 / 68.4 at 64, 234 / 251 at
-# 256; the 9B's (32 value heads) 18.1 / 8.4, 23.1 / 23.2, 112 / 127, 420 / 482. So a step
-# splits where the fused kernel has EARLY_PROGRAMS programs or fewer (batch 8 and below).
+SPLIT_DV = 16  # value columns a program of the recurrence holds
+SPLIT_WARPS = 2  # and its warps
+# Measured on one H200 (docs/benchmarks.md), a layer's decode step in µs, fused / split (32
+# columns, 4 warps): the 0.8B's 16 heads 12.3 / 7.5 at batch 1, 16.0 / 14.7 at 8, 63.4 / 68.4
+# at 64, 234 / 251 at 256; the 9B's (32 value heads) 18.1 / 8.4, 23.1 / 23.2, 112 / 127, 420
+# / 482. So a step splits where the fused kernel has EARLY_PROGRAMS programs or fewer (batch 8
+# and below). A sweep of columns and warps on an H100 then gave 16 columns with 2 warps at
+# batch 1 and 8: 0.8B 6.4 and 13.6 µs against 7.4 and 15.7 with 32 and 4; 9B 7.5 and 23.4
+# against 9.0 and 25.2 (at 64 and 256 the fused kernel stays fastest of all).
 
 
 @triton.jit
