@@ -197,6 +197,7 @@ def test_logits_equal_transformers(folders, name: str, backend: str, caplog) -> 
     if backend == "triton":  # and the norms in Gemma's fused kernel (kernels/gemma_norm.py)
         ours_only(torch.float32).install(engine.model)
         assert engine.model.model.norm.forward.__name__ == "fused"
+        assert engine.model.model.layers[0].norm_add.__name__ == "fused"  # add, scale, norm
         activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it
     got = teacher_forced(engine, ids, decode=4 if backend == "torch" else 2)
     want = hf_reference(folders[name], ids)

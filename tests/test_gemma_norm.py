@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers import DEV, DTYPES, assert_ulps, ours_only
 
-from minisgl.kernels.gemma_norm import gemma_fused_add_rmsnorm, gemma_rmsnorm
+from minisgl.kernels.gemma_norm import gemma_fused_add_rmsnorm, gemma_norm_add, gemma_rmsnorm
 from minisgl.layers import activation
 from minisgl.models.gemma3 import GemmaRMSNorm
 from minisgl.models.gemma4 import Gemma4RMSNorm, UnscaledRMSNorm
@@ -88,9 +88,37 @@ def test_the_plan_installs_the_kernel_and_takes_it_back(monkeypatch) -> None:
     activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaled,then", [(False, True), (True, False), (False, False)])
+def test_norm_add_equals_gemma4s_torch_steps(dtype: torch.dtype, scaled: bool, then: bool):
+    """Gemma 4's block ends: x + norm(y), times the layer's scalar at the layer's end, and the
+    next block's norm of the sum (after attention), each rounded as torch rounds them."""
+    norm, nxt = _gemma(96, seed=7), _gemma(96, seed=8)
+    y, x = _randn(5, 96, dtype=dtype, seed=9), _randn(5, 96, dtype=dtype, seed=10)
+    scale = (_randn(1, dtype=torch.float32, seed=11) + 2.0).to(dtype) if scaled else None
+    want = x + norm(y)
+    if scale is not None:
+        want = want * scale
+    got, normed = gemma_norm_add(y, x, norm.weight, norm.eps, scale, nxt.weight if then else None)
+    # a sum that cancels is many of its own last places off for one of its terms': the
+    # bound is a few last places of the terms (the norm's reduction order differs)
+    terms = (x.float().abs() + norm(y).float().abs()) * (scale.float().abs() if scaled else 1)
+    assert got.dtype == want.dtype
+    assert ((got.float() - want.float()).abs() <= 4 * torch.finfo(dtype).eps * terms).all()
+    if then:
+        assert normed is not None
+        assert_ulps(normed, nxt(got))
+    else:
+        assert normed is None
+
+
 def test_bad_input_is_refused_with_a_reason() -> None:
     w = torch.ones(8, device=DEV)
     with pytest.raises(ValueError, match="does not fit"):
         gemma_rmsnorm(torch.ones(2, 9, device=DEV), w, 1e-6)
     with pytest.raises(ValueError, match="one 2-D shape"):
         gemma_fused_add_rmsnorm(torch.ones(2, 8, device=DEV), torch.ones(3, 8, device=DEV), w, 1e-6)
+    with pytest.raises(ValueError, match="one 2-D shape"):
+        gemma_norm_add(torch.ones(2, 8, device=DEV), torch.ones(3, 8, device=DEV), w, 1e-6)
+    with pytest.raises(ValueError, match="one number"):
+        gemma_norm_add(torch.ones(2, 8, device=DEV), torch.ones(2, 8, device=DEV), w, 1e-6, w)

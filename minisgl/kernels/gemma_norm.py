@@ -5,14 +5,21 @@ scales by a float32 weight first and rounds once (models/gemma3.GemmaRMSNorm). I
 that is six to nine small kernels a norm: on Qwen3.5-0.8B's decode step at batch 1, 49
 norms cost more device time than its 18 Gated DeltaNet layers' recurrences. Chapter 20's
 kernel does it in one pass with `SCALE_FIRST`, and the residual add with it.
+
+Gemma 4 normalises each block's output before it joins the residual stream, then (after
+attention) normalises the sum again for the MLP, and scales the stream by a per-layer
+number at the end of the layer: `gemma_norm_add` does a norm, the add, the scale and the
+next norm in one pass, where torch ran three to five kernels.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from minisgl.kernels.elementwise import _check_norm_args, _norm_launch, _rmsnorm_kernel
-from minisgl.kernels.pdl import pdl_enabled, pdl_launch
+from minisgl.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
 
 
 def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -52,3 +59,67 @@ def gemma_fused_add_rmsnorm(
             ADD=True, SCALE_FIRST=True, **_norm_launch(n), **pdl_launch(pdl_enabled(x)),
         )  # fmt: skip
     return x, residual
+
+
+@triton.jit
+def _norm_add_kernel(
+    Y, X, W, S, W2, X_OUT, N_OUT, eps, N, stride_y, stride_x, stride_xo, stride_no,
+    BLOCK: tl.constexpr, SCALE: tl.constexpr, NEXT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    # One program per row, each step rounded to the model dtype as torch's would be:
+    # X_OUT = (X + norm(Y) * W) [* S]; with NEXT, N_OUT = norm(X_OUT) * W2.
+    pdl_wait(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    dtype = X.dtype.element_ty
+    y = tl.load(Y + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (y * tl.math.rsqrt(tl.sum(y * y, axis=0) / N + eps) * w).to(dtype)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    s = (x.to(tl.float32) + normed.to(tl.float32)).to(dtype)
+    if SCALE:
+        s = (s.to(tl.float32) * tl.load(S).to(tl.float32)).to(dtype)
+    tl.store(X_OUT + row * stride_xo + cols, s, mask=mask)
+    if NEXT:
+        s32 = s.to(tl.float32)
+        w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
+        out = s32 * tl.math.rsqrt(tl.sum(s32 * s32, axis=0) / N + eps) * w2
+        tl.store(N_OUT + row * stride_no + cols, out.to(dtype), mask=mask)
+
+
+def gemma_norm_add(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None = None,
+    next_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(x + gemma_rmsnorm(y, weight)) times `scale` (one number) if given, and with
+    `next_weight` that sum's gemma_rmsnorm by it (the next block's input), else None.
+    y and x: [tokens, features] of one dtype; x is not written."""
+    _check_norm_args(y, weight)
+    if x.shape != y.shape or x.dim() != 2 or x.dtype != y.dtype:
+        raise ValueError(
+            f"gemma_norm_add takes y and x of one 2-D shape and dtype; got "
+            f"{tuple(y.shape)} {y.dtype} and {tuple(x.shape)} {x.dtype}"
+        )
+    if scale is not None and scale.numel() != 1:
+        raise ValueError(f"gemma_norm_add scales by one number; got {scale.numel()}")
+    if next_weight is not None:
+        _check_norm_args(y, next_weight)
+    y, x = (t if t.stride(-1) == 1 else t.contiguous() for t in (y, x))
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    normed = torch.empty_like(x) if next_weight is not None else None
+    if rows:
+        _norm_add_kernel[(rows,)](
+            y, x, weight, scale if scale is not None else weight,
+            next_weight if next_weight is not None else weight, out,
+            normed if normed is not None else out, eps, n,
+            y.stride(0), x.stride(0), out.stride(0), out.stride(0),
+            SCALE=scale is not None, NEXT=next_weight is not None, **_norm_launch(n),
+            **pdl_launch(pdl_enabled(x)),
+        )  # fmt: skip
+    return out, normed

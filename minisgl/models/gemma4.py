@@ -26,6 +26,8 @@ What differs from Gemma 3 (models/gemma3.py):
 from __future__ import annotations
 
 import re
+from types import MethodType
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +44,9 @@ from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig, MoEConfig
 from minisgl.models.families import FULL, kv_pool_layers, kv_shape, kv_source, layer_rope
 from minisgl.models.gemma3 import Gemma3MLP, GemmaRMSNorm, SoftCappedLMHead
+
+if TYPE_CHECKING:
+    from minisgl.layers.kernel_plan import KernelPlan
 
 _ATTN = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(q_proj|k_proj|v_proj|k_norm|v_norm)\.")
 
@@ -217,18 +222,50 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, per_layer: torch.Tensor | None) -> torch.Tensor:
         """The residual stream after this layer; `per_layer`: the layer's PLE vectors."""
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x)))
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x))
+        x, h = self.norm_add(
+            h, x, self.post_attention_layernorm, then=self.pre_feedforward_layernorm
+        )
+        h = self.mlp(h)
         if self.has_moe:
             weights, experts = self.router(x)
             routed = self.experts(self.pre_feedforward_layernorm_2(x), experts, weights.to(x.dtype))
             routed = all_reduce(routed)  # each rank held a slice of every expert
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
-        x = x + self.post_feedforward_layernorm(h)
+        last = self.layer_scalar if per_layer is None else None  # the layer's end
+        x, _ = self.norm_add(h, x, self.post_feedforward_layernorm, scale=last)
         if per_layer is not None:
             gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
-            x = x + self.post_per_layer_input_norm(self.per_layer_projection(gate))
-        return x * self.layer_scalar
+            h = self.per_layer_projection(gate)
+            x, _ = self.norm_add(h, x, self.post_per_layer_input_norm, scale=self.layer_scalar)
+        return x
+
+    def norm_add(
+        self, y: torch.Tensor, x: torch.Tensor, norm: Gemma4RMSNorm,
+        scale: torch.Tensor | None = None, then: Gemma4RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """x + norm(y), times `scale` if given; and `then`'s norm of that, if given."""
+        x = x + norm(y)
+        if scale is not None:
+            x = x * scale
+        return x, then(x) if then is not None else None
+
+    def install_kernels(self, plan: KernelPlan) -> None:
+        """Where fused kernels run, `norm_add` is one Triton kernel (kernels/gemma_norm.py)
+        instead of three to five torch ones; elsewhere, the torch code above."""
+        self.norm_add = MethodType(Gemma4DecoderLayer.norm_add, self)
+        if not plan.fused:
+            return
+        try:  # triton may be missing
+            from minisgl.kernels.gemma_norm import gemma_norm_add
+        except ImportError:
+            return
+
+        def fused(y, x, norm, scale=None, then=None):
+            nw = then.weight if then is not None else None
+            return gemma_norm_add(y, x, norm.weight, norm.eps, scale, nw)
+
+        self.norm_add = fused
 
 
 class Gemma4Model(nn.Module):
