@@ -198,6 +198,7 @@ def test_logits_equal_transformers(folders, name: str, backend: str, caplog) -> 
         ours_only(torch.float32).install(engine.model)
         assert engine.model.model.norm.forward.__name__ == "fused"
         assert engine.model.model.layers[0].norm_add.__name__ == "fused"  # add, scale, norm
+        assert engine.model.model.layers[0].mlp.act.__name__ == "gelu_and_mul"  # and PLE's
         activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it
     got = teacher_forced(engine, ids, decode=4 if backend == "torch" else 2)
     want = hf_reference(folders[name], ids)

@@ -15,9 +15,14 @@ import pytest
 import torch
 from helpers import DEV, DTYPES, assert_ulps, ours_only
 
-from minisgl.kernels.gemma_norm import gemma_fused_add_rmsnorm, gemma_norm_add, gemma_rmsnorm
+from minisgl.kernels.gemma_norm import (
+    gelu_and_mul,
+    gemma_fused_add_rmsnorm,
+    gemma_norm_add,
+    gemma_rmsnorm,
+)
 from minisgl.layers import activation
-from minisgl.models.gemma3 import GemmaRMSNorm
+from minisgl.models.gemma3 import GemmaRMSNorm, gelu_mul
 from minisgl.models.gemma4 import Gemma4RMSNorm, UnscaledRMSNorm
 
 pytestmark = pytest.mark.skipif(
@@ -112,6 +117,25 @@ def test_norm_add_equals_gemma4s_torch_steps(dtype: torch.dtype, scaled: bool, t
         assert normed is None
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_and_mul_equals_torchs(dtype: torch.dtype) -> None:
+    """The MLP's halves of one gate_up, and one layer's slice of [tokens, layers, dim]
+    per-layer inputs (rows far apart), across more than one block of columns."""
+
+    def close(g: torch.Tensor, u: torch.Tensor) -> bool:
+        # torch forms 1 + tanh(z), which cancels where tanh is near -1 (large negative g):
+        # its own error there is a few last places of 0.5 g; the kernel's form does not
+        # cancel. The bound: a few last places of the product, or of 0.5 g u.
+        want = gelu_mul(g, u).float()
+        bound = 4 * torch.finfo(dtype).eps * (want.abs() + (0.5 * g.float() * u.float()).abs())
+        return bool(((gelu_and_mul(g, u).float() - want).abs() <= bound).all())
+
+    gate_up = _randn(3, 2 * 1300, dtype=dtype, seed=12) * 3
+    assert close(*gate_up.chunk(2, dim=-1))
+    per_layer = _randn(3, 4, 40, dtype=dtype, seed=13)[:, 2]
+    assert close(_randn(3, 40, dtype=dtype, seed=14) * 3, per_layer)
+
+
 def test_bad_input_is_refused_with_a_reason() -> None:
     w = torch.ones(8, device=DEV)
     with pytest.raises(ValueError, match="does not fit"):
@@ -120,5 +144,7 @@ def test_bad_input_is_refused_with_a_reason() -> None:
         gemma_fused_add_rmsnorm(torch.ones(2, 8, device=DEV), torch.ones(3, 8, device=DEV), w, 1e-6)
     with pytest.raises(ValueError, match="one 2-D shape"):
         gemma_norm_add(torch.ones(2, 8, device=DEV), torch.ones(3, 8, device=DEV), w, 1e-6)
+    with pytest.raises(ValueError, match="one 2-D shape"):
+        gelu_and_mul(torch.ones(2, 8, device=DEV), torch.ones(2, 9, device=DEV))
     with pytest.raises(ValueError, match="one number"):
         gemma_norm_add(torch.ones(2, 8, device=DEV), torch.ones(2, 8, device=DEV), w, 1e-6, w)

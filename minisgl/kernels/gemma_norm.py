@@ -9,7 +9,9 @@ kernel does it in one pass with `SCALE_FIRST`, and the residual add with it.
 Gemma 4 normalises each block's output before it joins the residual stream, then (after
 attention) normalises the sum again for the MLP, and scales the stream by a per-layer
 number at the end of the layer: `gemma_norm_add` does a norm, the add, the scale and the
-next norm in one pass, where torch ran three to five kernels.
+next norm in one pass, where torch ran three to five kernels. Gemma's gate is GELU (tanh)
+where Llama's is SiLU: `gelu_and_mul` is it and the product in one kernel (the MLP's, and
+Gemma 4's per-layer embedding gate), where torch ran two.
 """
 
 from __future__ import annotations
@@ -123,3 +125,41 @@ def gemma_norm_add(
             **pdl_launch(pdl_enabled(x)),
         )  # fmt: skip
     return out, normed
+
+
+GELU_BLOCK = 1024  # columns a program of `gelu_and_mul`
+
+
+@triton.jit
+def _gelu_and_mul_kernel(G, U, Y, N, stride_g, stride_u, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
+    # 0.5 g (1 + tanh(z)), z = sqrt(2 / pi) (g + 0.044715 g^3); 1 + tanh(z) = 2 / (1 + e^-2z),
+    # which does not cancel where tanh(z) is near -1
+    z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+    gelu = (g / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0)))).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (gelu * u).to(Y.dtype.element_ty), mask=mask)
+
+
+def gelu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) of gate, times up: [tokens, n] each, one dtype; either may
+    be a view of a wider tensor (the halves of a gate_up, one layer's slice of the per-layer
+    inputs)."""
+    if gate.shape != up.shape or gate.dim() != 2 or gate.dtype != up.dtype:
+        raise ValueError(
+            f"gelu_and_mul takes gate and up of one 2-D shape and dtype; got "
+            f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
+        )
+    gate, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (gate, up))
+    rows, n = gate.shape
+    y = torch.empty(rows, n, dtype=gate.dtype, device=gate.device)
+    if rows and n:
+        grid = (rows, triton.cdiv(n, GELU_BLOCK))
+        _gelu_and_mul_kernel[grid](
+            gate, up, y, n, gate.stride(0), up.stride(0), y.stride(0), BLOCK=GELU_BLOCK,
+            num_warps=4,
+        )  # fmt: skip
+    return y

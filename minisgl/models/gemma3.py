@@ -18,6 +18,7 @@ tower; `models/families.py` reads their text config and renames their tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MethodType
 from typing import TYPE_CHECKING
 
@@ -87,12 +88,31 @@ def _gemma_norm_kernels():
     return gemma_rmsnorm, gemma_fused_add_rmsnorm
 
 
+def gelu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) of gate, times up: Gemma's gate, in torch."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_mul_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`gelu_mul` in one Triton kernel (kernels/gemma_norm.py), or in torch without triton."""
+    try:
+        from minisgl.kernels.gemma_norm import gelu_and_mul
+    except ImportError:
+        return gelu_mul
+    return gelu_and_mul
+
+
 class Gemma3MLP(LlamaMLP):
     gate_up = Linear  # GeLU-tanh after it, not SiLU: a plain projection
+    act = staticmethod(gelu_mul)  # the kernel plan's choice once installed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(self.act(gate, up))
+
+    def install_kernels(self, plan: KernelPlan) -> None:
+        """One kernel for the gate where fused kernels run; torch's two elsewhere."""
+        self.act = gelu_mul_kernel() if plan.fused else gelu_mul
 
 
 class Gemma3DecoderLayer(nn.Module):

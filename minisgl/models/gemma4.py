@@ -235,8 +235,7 @@ class Gemma4DecoderLayer(nn.Module):
         last = self.layer_scalar if per_layer is None else None  # the layer's end
         x, _ = self.norm_add(h, x, self.post_feedforward_layernorm, scale=last)
         if per_layer is not None:
-            gate = F.gelu(self.per_layer_input_gate(x), approximate="tanh") * per_layer
-            h = self.per_layer_projection(gate)
+            h = self.per_layer_projection(self.mlp.act(self.per_layer_input_gate(x), per_layer))
             x, _ = self.norm_add(h, x, self.post_per_layer_input_norm, scale=self.layer_scalar)
         return x
 
