@@ -206,6 +206,22 @@ def test_logits_equal_transformers(folders, name: str, backend: str, caplog) -> 
     assert (got - want).abs().max().item() <= TOL
 
 
+def test_logits_equal_transformers_with_the_head_kernel(folders, monkeypatch) -> None:
+    """MINISGL_GEMMA4_ROPE=triton: every layer's head norms and rotary in one kernel a tensor
+    (kernels/gemma4_rope.py, in the interpreter): both geometries, a plain and a proportional
+    RoPE, the KV-shared layers' queries alone."""
+    monkeypatch.setattr(ENV.GEMMA4_ROPE, "value", "triton")
+    ids = token_ids(0, 24)
+    engine = make_engine(folders["e2b"], page_size=4, attention_backend="triton")
+    ours_only(torch.float32).install(engine.model)
+    activation.use_silu_and_mul(activation.silu_and_mul_reference)  # as a CPU engine has it
+    attn = [layer.self_attn.attn for layer in engine.model.model.layers]
+    assert all(a.prepare.__name__ == "fused" for a in attn)
+    got = teacher_forced(engine, ids, decode=2)
+    want = hf_reference(folders["e2b"], ids)
+    assert (got - want).abs().max().item() <= TOL
+
+
 PROMPTS = [token_ids(10 + i, n) for i, n in enumerate((13, 22, 30))]
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 

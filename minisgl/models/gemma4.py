@@ -35,6 +35,7 @@ from torch import nn
 
 from minisgl.core import eager_on_graph, get_global_ctx
 from minisgl.distributed import Split, all_reduce, get_tp_info, rank_heads
+from minisgl.env import ENV
 from minisgl.layers.embedding import VocabEmbedding
 from minisgl.layers.fused_moe import use_fused_moe
 from minisgl.layers.linear import Linear
@@ -93,13 +94,43 @@ class Gemma4AttentionLayer(nn.Module):
         a KV-shared layer. Returns [tokens, heads * head_dim]."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         positions = get_global_ctx().batch.positions
-        q = self.q_norm(q.reshape(-1, heads, dim))
-        if k is None or v is None:  # queries alone, turned alone
-            q, _ = self.rotary(positions, q, q[:, :0])
-        else:  # the values from the projection as it is: K=V layers pass the same tensor
-            v = self.v_norm(v.reshape(-1, kv_heads, dim))
-            q, k = self.rotary(positions, q, self.k_norm(k.reshape(-1, kv_heads, dim)))
+        q = q.reshape(-1, heads, dim)
+        if k is not None and v is not None:  # K=V layers pass the same tensor twice
+            k, v = k.reshape(-1, kv_heads, dim), v.reshape(-1, kv_heads, dim)
+        q, k, v = self.prepare(positions, q, k, v)
         return self.attend(q, k, v).reshape(-1, heads * dim)
+
+    def prepare(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None):  # fmt: skip
+        """Every head normalised, q and k turned by position ([tokens, heads, head_dim]
+        each); a KV-shared layer's queries alone."""
+        q = self.q_norm(q)
+        if k is None or v is None:
+            return self.rotary(positions, q, q[:, :0])[0], None, None
+        q, k = self.rotary(positions, q, self.k_norm(k))
+        return q, k, self.v_norm(v)
+
+    def install_kernels(self, plan: KernelPlan) -> None:
+        """`prepare` in one kernel a tensor (kernels/gemma4_rope.py) where fused kernels
+        run and MINISGL_GEMMA4_ROPE=triton asks for it; the torch code above elsewhere."""
+        self.prepare = MethodType(Gemma4AttentionLayer.prepare, self)
+        table = self.rotary.cos_sin  # turns every pair (Gemma 4's RoPEs do): none passes
+        asked = plan.fused and ENV.GEMMA4_ROPE.value == "triton"
+        if not asked or table.size(-1) != self.head_dim:
+            return
+        try:  # triton may be missing
+            from minisgl.kernels.gemma4_rope import norm_rope
+        except ImportError:
+            return
+
+        def fused(positions, q, k, v):
+            q = norm_rope(q, self.q_norm.weight, self.q_norm.eps, table, positions)
+            if k is None or v is None:
+                return q, None, None
+            k = norm_rope(k, self.k_norm.weight, self.k_norm.eps, table, positions)
+            return q, k, norm_rope(v, self.v_norm.weight, self.v_norm.eps)
+
+        self.prepare = fused
 
     @eager_on_graph  # prefill attention plans on the host: it runs between graph segments
     def attend(

@@ -15,6 +15,8 @@
 #          (tools/check_hybrid_speculation.py); in bf16, how many do.
 # verify:  a verify step against a decode step on the Qwen3.5 shapes (tools/bench_verify_cost.py,
 #          drafts of 1, 4 and 8 at batch 1 and 8) with its host timeline.
+# gemma4rope: Gemma 4's head norms and rotary in torch against one kernel a tensor
+#          (MINISGL_GEMMA4_ROPE), alternating, at batch 1-256 (not in the default stages).
 # GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
 # others; it is measured with this many layers (every layer its real shape) and the time per
 # token scaled by 60 / layers, which the log says.
@@ -86,5 +88,15 @@ if [[ $STAGES == *verify* ]]; then
     echo "== verify cost $shape" | log
     timeout 400 python3 tools/bench_verify_cost.py --model "/root/$shape" --ks 1,4,8 \
         --batches 1,8 --rounds 1 --input-len 128 2>&1 | grep -E "^\||Error|error" | log
+  done
+fi
+if [[ $STAGES == *gemma4rope* ]]; then
+  for shape in gemma4-e4b gemma4-31b; do
+    [[ ,$SHAPES, == *,$shape,* ]] || continue
+    echo "== gemma4 head kernel $shape" | log
+    timeout 400 python3 tools/bench_latency.py --model "/root/$shape" --skip-hf --skip-eager \
+        --batch-sizes 1,8,64,256 --input-len 32 --output-len 64 --rounds 2 \
+        --variants "torch:GEMMA4_ROPE=torch;triton:GEMMA4_ROPE=triton" 2>&1 \
+        | grep -E "^\| |Error|error" | log
   done
 fi
