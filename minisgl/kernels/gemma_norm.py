@@ -63,13 +63,15 @@ def gemma_fused_add_rmsnorm(
     return x, residual
 
 
-@triton.jit
+# `scaled` and `then` are arguments, not constants: one build serves a layer's three block
+# ends (each a Triton build, a second or so of a fresh machine's start-up)
+@triton.jit(do_not_specialize=["scaled", "then"])
 def _norm_add_kernel(
-    Y, X, W, S, W2, X_OUT, N_OUT, eps, N, stride_y, stride_x, stride_xo, stride_no,
-    BLOCK: tl.constexpr, SCALE: tl.constexpr, NEXT: tl.constexpr, PDL: tl.constexpr,
+    Y, X, W, S, W2, X_OUT, N_OUT, eps, N, scaled, then,
+    stride_y, stride_x, stride_xo, stride_no, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # One program per row, each step rounded to the model dtype as torch's would be:
-    # X_OUT = (X + norm(Y) * W) [* S]; with NEXT, N_OUT = norm(X_OUT) * W2.
+    # X_OUT = (X + norm(Y) * W) [* S if scaled]; if then, N_OUT = norm(X_OUT) * W2.
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -80,10 +82,10 @@ def _norm_add_kernel(
     normed = (y * tl.math.rsqrt(tl.sum(y * y, axis=0) / N + eps) * w).to(dtype)
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     s = (x.to(tl.float32) + normed.to(tl.float32)).to(dtype)
-    if SCALE:
-        s = (s.to(tl.float32) * tl.load(S).to(tl.float32)).to(dtype)
+    scale = tl.where(scaled != 0, tl.load(S).to(tl.float32), 1.0)  # times 1: exact
+    s = (s.to(tl.float32) * scale).to(dtype)
     tl.store(X_OUT + row * stride_xo + cols, s, mask=mask)
-    if NEXT:
+    if then != 0:
         s32 = s.to(tl.float32)
         w2 = tl.load(W2 + cols, mask=mask, other=0.0).to(tl.float32)
         out = s32 * tl.math.rsqrt(tl.sum(s32 * s32, axis=0) / N + eps) * w2
@@ -119,10 +121,9 @@ def gemma_norm_add(
         _norm_add_kernel[(rows,)](
             y, x, weight, scale if scale is not None else weight,
             next_weight if next_weight is not None else weight, out,
-            normed if normed is not None else out, eps, n,
-            y.stride(0), x.stride(0), out.stride(0), out.stride(0),
-            SCALE=scale is not None, NEXT=next_weight is not None, **_norm_launch(n),
-            **pdl_launch(pdl_enabled(x)),
+            normed if normed is not None else out, eps, n, int(scale is not None),
+            int(next_weight is not None), y.stride(0), x.stride(0), out.stride(0),
+            out.stride(0), **_norm_launch(n), **pdl_launch(pdl_enabled(x)),
         )  # fmt: skip
     return out, normed
 
