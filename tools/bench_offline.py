@@ -51,7 +51,9 @@ class StepTimes:
         """Steps by kind: prefill (and verify), decode by batch size in powers of two."""
         groups: dict[tuple[int, str], list[float]] = {}
         tokens: dict[tuple[int, str], int] = {}
-        ends = [t for *_, t in self.steps[1:]] + [end]
+        # each step ends where the next begins; the last one's end is the run's, which
+        # gathers every output after it: it is left out, and said apart
+        ends = [t for *_, t in self.steps[1:]]
         for (phase, size, new, start), stop in zip(self.steps, ends):
             key = (0, phase)
             if phase == "decode":
@@ -66,6 +68,10 @@ class StepTimes:
             lines.append(
                 f"| {key[1]} | {n} | {sum(times):.2f} | {1e3 * sum(times) / n:.2f}"
                 f" | {tokens[key] / n:.0f} |"
+            )
+        if self.steps:
+            lines.append(
+                f"(the last step to the run's end: {1e3 * (end - self.steps[-1][3]):.2f} ms)"
             )
         return "\n".join(lines)
 
