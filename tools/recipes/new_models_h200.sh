@@ -6,7 +6,7 @@
 #   OUT=/tmp/out STAGES=latency SHAPES=qwen3.5-0.8b bash tools/recipes/new_models_h200.sh
 #
 # latency: batch-1 ms/token (32 in, 128 out) and the steps at batch 8/64/256.
-# offline: nano-vllm's workload (256 sequences, 100-1024 in and out).
+# offline: nano-vllm's workload (256 sequences, 100-1024 in and out), with where its steps went.
 # prefill: one prompt of 32K tokens, the linear layers' recurrence in one pass and in two.
 # kernels: the linear layers' torch path against our Triton kernels (tools/bench_gated_delta.py),
 #          where that tool is present.
@@ -63,7 +63,8 @@ if [[ $STAGES == *offline* ]]; then
     [[ ,$SHAPES, == *,$shape,* ]] || continue
     echo "== offline $shape" | log
     timeout 400 python3 tools/bench_offline.py --model "/root/$shape" --num-seqs 256 --min-input 100 \
-        --max-input 1024 --min-output 100 --max-output 1024 --skip-hf 2>&1 | tail -6 | log
+        --max-input 1024 --min-output 100 --max-output 1024 --skip-hf --steps 2>&1 \
+        | grep -E "^\||last step|Triton in|Error|error" | log
   done
 fi
 if [[ $STAGES == *prefill* ]]; then
