@@ -3,7 +3,9 @@ stages read the KV cache fastest, for each cache dtype.
 
 Decode is the fused kernel the engine runs (kernels/fused_decode.py: rotary, the KV store,
 split-KV attention and the merge), timed inside a CUDA graph of 20 calls for each
-(batch, context), with its bytes of K/V per call turned into TB/s. Extend is one prompt of
+(batch, context), with its bytes of K/V per call turned into TB/s; `--kernel split` times
+the split-KV attention and merge alone (kernels/decode_attention.py, what Gemma 4's layers
+run), over the last `--window` positions if given. Extend is one prompt of
 `--extend-lens` new tokens with no cached prefix, as a chunked prefill's first chunk,
 timed eagerly, as TFLOP/s of the causal half. Each table row is one launch; the current
 default is marked. A launch that does not compile (too much shared memory) is listed as
@@ -11,6 +13,8 @@ failed. Defaults change in kernels/attention.py (`decode_launch`, `extend_launch
 after a sweep on the GPU.
 
     python tools/sweep_attention.py --kv-dtypes bfloat16,fp8_e4m3 --decode 256x1024,64x1024
+    python tools/sweep_attention.py --kernel split --q-heads 8 --kv-heads 2 --head-dim 256 \
+        --window 512 --kv-dtypes bfloat16 --decode 128x1024,256x1024 --extend-lens ""
     TRITON_INTERPRET=1 python tools/sweep_attention.py --device cpu --smoke
 """
 
@@ -25,6 +29,7 @@ import torch
 from common import add_device_args, parse
 
 from minisgl.kernels import attention as attn
+from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
 
@@ -93,7 +98,13 @@ class Shape:
                 self.table, rows, seq_lens, a.head_dim**-0.5, a.q_heads, a.kv_heads, a.head_dim,
             )  # fmt: skip
 
-        return run
+        def split() -> torch.Tensor:
+            return decode_attention(
+                q, self.k, self.v, self.table, rows, seq_lens, a.head_dim**-0.5, a.window
+            )
+
+        q = qkv[:, : a.q_heads * a.head_dim].view(bs, a.q_heads, a.head_dim)
+        return split if a.kernel == "split" else run
 
     def extend(self, length: int):
         a, dev = self.args, self.args.device
@@ -145,9 +156,11 @@ def main() -> None:
     p.add_argument("--q-heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--kernel", choices=["fused", "split"], default="fused", help="decode's")
+    p.add_argument("--window", type=int, help="split: attend the last WINDOW positions only")
     p.add_argument("--kv-dtypes", default="bfloat16,fp8_e4m3", help=", ".join(KV_DTYPES))
     p.add_argument("--decode", default="256x1024,64x1024", help="BATCHxCONTEXT,...")
-    p.add_argument("--extend-lens", type=ints, default=[2048, 8192])
+    p.add_argument("--extend-lens", type=lambda t: ints(t) if t else [], default=[2048, 8192])
     p.add_argument("--block-n", type=ints, default=[32, 64, 128])
     p.add_argument("--warps", type=ints, default=[2, 4, 8])
     p.add_argument("--stages", type=ints, default=[0, 2, 3, 4], help="0: Triton's default")
@@ -183,8 +196,9 @@ def main() -> None:
                 attn.Launch(n, w, s or None)
                 for n, w, s in itertools.product(args.block_n, args.warps, args.stages)
             ]
-            print(f"\n== decode, K/V {name}, batch {bs} x context {ctx}, fused kernel")
-            work = (2 * bs * ctx * args.kv_heads * d * kv_dtype.itemsize, "TB/s of K/V")
+            print(f"\n== decode, K/V {name}, batch {bs} x context {ctx}, {args.kernel} kernel")
+            read = min(ctx, args.window or ctx) if args.kernel == "split" else ctx
+            work = (2 * bs * read * args.kv_heads * d * kv_dtype.itemsize, "TB/s of K/V")
             default = attn.decode_launch(bs, kv_dtype)
             results[f"decode {name} {bs}x{ctx}"] = sweep(
                 "decode", launches, default, shape.decode(bs, ctx), args.iters, graph, work

@@ -17,6 +17,9 @@
 #          drafts of 1, 4 and 8 at batch 1 and 8) with its host timeline.
 # gemma4rope: Gemma 4's head norms and rotary in torch against one kernel a tensor
 #          (MINISGL_GEMMA4_ROPE), alternating, at batch 1-256 (not in the default stages).
+# gemma4attn: the split-KV decode's launches swept at Gemma-4-E4B's heads (8 query, 2 KV):
+#          sliding layers (256 wide, a 512-token window) and global ones (512 wide), at
+#          batch 128 and 256 (tools/sweep_attention.py --kernel split; not a default stage).
 # GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
 # others; it is measured with this many layers (every layer its real shape) and the time per
 # token scaled by 60 / layers, which the log says.
@@ -99,5 +102,15 @@ if [[ $STAGES == *gemma4rope* ]]; then
         --batch-sizes 1,8,64,256 --input-len 32 --output-len 64 --rounds 2 \
         --variants "torch:GEMMA4_ROPE=torch;triton:GEMMA4_ROPE=triton" 2>&1 \
         | grep -E "^\| |Error|error" | log
+  done
+fi
+if [[ $STAGES == *gemma4attn* ]]; then
+  for spec in "256 512" "512 0"; do
+    set -- $spec
+    window=(); [ "$2" != 0 ] && window=(--window "$2")
+    echo "== split-KV decode launches, head_dim $1, window $2" | log
+    timeout 300 python3 tools/sweep_attention.py --kernel split --q-heads 8 --kv-heads 2 \
+        --head-dim "$1" "${window[@]}" --kv-dtypes bfloat16 --decode 128x1024,256x1024 \
+        --extend-lens "" 2>&1 | grep -E "^\||==|best|failed" | log
   done
 fi
