@@ -59,6 +59,7 @@ class WindowCacheManager(CacheManager):
         self.window_pages = PageAllocator(pool.num_window_pages)
         self.none = pool.num_window_pages  # the windowed dummy page: no windowed page
         self.wmap = [self.none] * (num_pages + 1)  # host copy, a list: read per page per step
+        self.wmap_t = torch.full((num_pages + 1,), self.none, dtype=torch.int32)  # for match
         self.refs = [0] * num_pages  # running requests holding each full page's windowed page
         self.idle: OrderedDict[int, None] = OrderedDict()  # cached, unheld: least recent first
         self.hold_from: dict[int, int] = {}  # row -> the first position its request holds
@@ -87,8 +88,8 @@ class WindowCacheManager(CacheManager):
         ps, m = self.page_size, full.length
         if m == 0:
             return full
-        pages = (full.slots[::ps] // ps).tolist()
-        missing = torch.tensor([self.wmap[p] == self.none for p in pages], dtype=torch.int32)
+        pages = (full.slots[::ps] // ps).long()
+        missing = (self.wmap_t[pages] == self.none).to(torch.int32)
         count = torch.cat([torch.zeros(1, dtype=torch.int32), missing.cumsum(0)])
         ends = torch.arange(len(pages) + 1)  # a match of `end` pages...
         first = (ends * ps - self.window + 1).clamp(min=0) // ps  # reads pages first..end-1
@@ -253,8 +254,9 @@ class WindowCacheManager(CacheManager):
             self._orphans.clear()
         device = self.window_table.device
         if self._changed:
-            where = to_device(list(self._changed) + list(self._changed.values()), device,
-                              torch.int64).view(2, -1)  # fmt: skip
+            changed = torch.tensor([list(self._changed), list(self._changed.values())])
+            self.wmap_t[changed[0]] = changed[1].to(torch.int32)
+            where = to_device(changed, device)
             self.pool.window_map[where[0]] = where[1].to(torch.int32)
             self._changed.clear()
         if self._places:
@@ -287,7 +289,9 @@ class WindowCacheManager(CacheManager):
         assert all(r == 0 for r in (self.refs[p] for p in self.idle)) and cached >= set(
             self.idle
         ), "an idle windowed page is held, or on a page the cache does not hold"
-        assert self.pool.window_map.tolist() == self.wmap, "the device's map differs"
+        assert self.pool.window_map.tolist() == self.wmap == self.wmap_t.tolist(), (
+            "the device's map or the host's tensor differs"
+        )
 
 
 def window_cache(manager: CacheManager, kv_cache: object) -> CacheManager:
