@@ -134,6 +134,7 @@ class Batch:
         self.phase = phase
         self.padded_reqs = reqs
         self.graphed = False  # a CUDA graph runs it (engine/graph.py pad_batch)  # [ch18]
+        self.logits_out: torch.Tensor | None = None  # a graph's buffer for the head  # [ch18]
         self.input_ids: torch.Tensor  # [num_tokens] int32, device
         self.positions: torch.Tensor  # [num_tokens] int32, device
         self.out_loc: torch.Tensor  # [num_tokens] int32, device: KV slot of each new token

@@ -156,3 +156,21 @@ def test_default_largest_graph_by_the_card() -> None:
     assert default_max_bs(int(78.7 * 2**30)) == 256
     assert default_max_bs(int(139.0 * 2**30)) == 256
     assert default_max_bs(int(39.0 * 2**30)) == 160
+
+
+def test_the_lm_head_casts_into_the_graphs_buffer(eager: LLM) -> None:
+    """A graph's logits are the LM head's cast written straight into the shared buffer (no
+    float copy then a copy into it): every captured batch names its view of the buffer, and
+    a replay's logits are that view, equal to eager's tokens."""
+    llm = LLM(str(need(SMOL)), cuda_graph_max_bs=4, **KW)
+    runner, head = llm.engine.graph_runner, llm.engine.model.lm_head
+    for graph in runner.graph_map.values():
+        assert graph.batch.logits_out.data_ptr() == runner.buffer.logits.data_ptr()
+    wrote, project = [], head.project
+    head.project = lambda hidden: wrote.append(p := project(hidden)) or p
+    got, log = run(llm, PROMPTS[:3])
+    assert log == ["3->4"] * (TOKENS - 1)
+    into = [t.data_ptr() == runner.buffer.logits.data_ptr() for t in wrote]
+    assert into.count(True) == TOKENS - 1 and into.count(False) == 1  # replays; the prefill
+    assert got == run(eager, PROMPTS[:3])[0]
+    llm.shutdown()

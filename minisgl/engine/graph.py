@@ -278,10 +278,12 @@ class GraphRunner:
             for kind, shape in todo:
                 batch = kind.capture_batch(shape, self.attn_backend)
                 self.buffer.set_batch(batch, shape.tokens)
-                logits = self.buffer.logits[: kind.logit_rows(shape)]
+                batch.logits_out = logits = self.buffer.logits[: kind.logit_rows(shape)]
 
                 def forward(logits: torch.Tensor = logits) -> None:
-                    logits.copy_(model.forward())
+                    out = model.forward()  # the LM head's cast writes into the buffer...
+                    if out.data_ptr() != logits.data_ptr():  # ...unless a model's head goes on
+                        logits.copy_(out)
 
                 began = time.perf_counter()
                 with ctx.forward_batch(batch):
