@@ -208,6 +208,11 @@ def get_global_ctx() -> Context:
     return _GLOBAL_CTX
 
 
+def logits_out() -> torch.Tensor | None:  # where a graph's LM head writes, if anywhere  # [ch18]
+    batch = _GLOBAL_CTX._batch if _GLOBAL_CTX is not None else None  # [ch18]
+    return batch.logits_out if batch is not None else None  # [ch18]
+
+
 # >>> ch23
 def eager_on_graph(fn: F) -> F:
     """Run `fn` eagerly between two graph segments while a breakable graph is captured or

@@ -64,6 +64,6 @@ class LMHead(Linear):
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)
         logits = all_gather(logits)  # the ranks' slices of the vocabulary, side by side  # [ch21]
-        if (out := core.get_global_ctx().batch.logits_out) is not None:  # cast in one  # [ch18]
+        if (out := core.logits_out()) is not None:  # cast in one  # [ch18]
             return out.copy_(logits)  # pass, not a float copy then a copy into it  # [ch18]
         return logits.float()
