@@ -69,9 +69,10 @@ class _Env:
         # threads that build the kernel choice's candidates at once (1: one after another)
         self.BUILD_THREADS = EnvVar.read("BUILD_THREADS", 16)
         # <<< ch20
-        # >>> ch29 Gemma 4's head norms and rotary: torch, or one Triton kernel a tensor
-        # where fused kernels run (triton; off until measured on the GPU)
-        self.GEMMA4_ROPE = EnvVar.read("GEMMA4_ROPE", "torch", choices=("torch", "triton"))
+        # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused
+        # kernels run (triton: 1.07-1.22x faster steps at batch 1-256, docs/benchmarks.md),
+        # or the torch code (torch)
+        self.GEMMA4_ROPE = EnvVar.read("GEMMA4_ROPE", "triton", choices=("torch", "triton"))
         # <<< ch29
         # >>> ch31 the Gated DeltaNet layers' kernels: torch (the reference), triton (ours),
         # auto: ours on CUDA (measured faster there: docs/benchmarks.md), torch elsewhere

@@ -207,9 +207,9 @@ def test_logits_equal_transformers(folders, name: str, backend: str, caplog) -> 
 
 
 def test_logits_equal_transformers_with_the_head_kernel(folders, monkeypatch) -> None:
-    """MINISGL_GEMMA4_ROPE=triton: every layer's head norms and rotary in one kernel a tensor
-    (kernels/gemma4_rope.py, in the interpreter): both geometries, a plain and a proportional
-    RoPE, the KV-shared layers' queries alone."""
+    """MINISGL_GEMMA4_ROPE=triton (the default): every layer's head norms and rotary in one
+    kernel a tensor (kernels/gemma4_rope.py, in the interpreter): both geometries, a plain and
+    a proportional RoPE, the KV-shared layers' queries alone."""
     monkeypatch.setattr(ENV.GEMMA4_ROPE, "value", "triton")
     ids = token_ids(0, 24)
     engine = make_engine(folders["e2b"], page_size=4, attention_backend="triton")
@@ -560,8 +560,9 @@ def test_tensor_parallel_check_counts_the_global_kv_heads(tmp_path: Path) -> Non
 
 def test_kernel_launches_fit_a_block_at_head_dim_512() -> None:
     """The decode and extend launches keep their measured blocks up to head_dim 256 and fit
-    227 KB of shared memory at 512 (bf16 and FP8 caches), where the measured ones do not."""
-    from minisgl.kernels.attention import decode_launch, extend_launch
+    227 KB of shared memory at 512 (bf16 and FP8 caches), where the measured ones do not;
+    decode there takes the warps its accumulator needs."""
+    from minisgl.kernels.attention import Launch, decode_launch, extend_launch, launch_override
     from minisgl.kernels.tile_fit import SMEM_PER_BLOCK, fit_launch, tile_bytes
 
     bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
@@ -579,6 +580,14 @@ def test_kernel_launches_fit_a_block_at_head_dim_512() -> None:
     assert too_big >= 4
     # bf16 decode at batch 8: 64 keys a block need 415,744 B at 512, 32 need 218,112 B
     assert fit_launch(decode_launch(8, bf16), 8, 512, bf16, bf16).block_n == 32
+    # and 4 warps share a decode program's 16 x 512 accumulator (2 held 128 numbers a thread),
+    # but a sweep's launch keeps the warps it asked for
+    assert [
+        fit_launch(decode_launch(bs, bf16), 8, 512, bf16, bf16).warps for bs in (1, 8, 256)
+    ] == [4, 4, 4]
+    assert fit_launch(decode_launch(8, bf16), 8, 256, bf16, bf16).warps == 2
+    with launch_override("decode", Launch(64, 2)):
+        assert fit_launch(Launch(64, 2), 8, 512, bf16, bf16).warps == 2
     long = fit_launch(extend_launch(1024, bf16), 8, 512, bf16, bf16)
     assert (long.block_m, long.block_n, long.stages) == (32, 16, 3)  # 64 x 512 fp32 spills
 

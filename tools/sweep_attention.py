@@ -32,6 +32,7 @@ from minisgl.kernels import attention as attn
 from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
+from minisgl.kernels.tile_fit import fit_launch
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -199,7 +200,8 @@ def main() -> None:
             print(f"\n== decode, K/V {name}, batch {bs} x context {ctx}, {args.kernel} kernel")
             read = min(ctx, args.window or ctx) if args.kernel == "split" else ctx
             work = (2 * bs * read * args.kv_heads * d * kv_dtype.itemsize, "TB/s of K/V")
-            default = attn.decode_launch(bs, kv_dtype)
+            default = attn.decode_launch(bs, kv_dtype)  # as the engine launches it:
+            default = fit_launch(default, args.q_heads // args.kv_heads, d, args.dtype, kv_dtype)
             results[f"decode {name} {bs}x{ctx}"] = sweep(
                 "decode", launches, default, shape.decode(bs, ctx), args.iters, graph, work
             )
