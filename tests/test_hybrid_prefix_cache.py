@@ -69,7 +69,9 @@ def seq(start: int, n: int) -> torch.Tensor:
 
 def insert(cm: HybridCacheManager, ids: torch.Tensor, slot: int) -> Any:
     """Cache `ids` on fresh pages and save slot `slot`'s state at their end; their node."""
-    cm.cache.insert(ids, torch.tensor(cm.allocator.alloc(len(ids)), dtype=torch.int32))
+    ps = cm.page_size
+    pages = torch.tensor(cm.allocator.alloc(len(ids) // ps), dtype=torch.int32)
+    cm.cache.insert(ids, (pages[:, None] * ps + torch.arange(ps, dtype=torch.int32)).flatten())
     node = cm.cache.match_prefix(ids).node
     cm.snapshots.save(node, slot)
     return node
@@ -86,6 +88,22 @@ def test_a_match_stops_at_the_deepest_snapshot_and_a_split_keeps_it_below() -> N
     assert (whole.length, whole.node, whole.stop) == (50, long, None)
     short = cm.match(seq(0, 20))  # K/V for 19 tokens, fewer than BRANCH_MIN: no stop
     assert (short.length, short.stop) == (0, None) and BRANCH_MIN > 19
+    cm.check_integrity([])
+
+
+def test_with_larger_pages_a_next_turn_stops_at_its_last_page_boundary() -> None:
+    """Pages of 16: a prompt going on from a cached sequence's end stops where its own last
+    page ends (its state saved there serves its next turn), BRANCH_MIN past the snapshot; a
+    prompt that parts stops where it parts; one that matches nothing does not stop."""
+    cm = manager(num_snapshots=2, page_size=16)
+    assert cm.match(seq(0, 70)).stop is None  # an empty cache: nothing to go on from
+    first = insert(cm, seq(0, 32), slot=1)
+    turn = cm.match(seq(0, 75))  # 75 tokens: the last page boundary at 64
+    assert (turn.length, turn.node, turn.stop) == (32, first, 64)
+    assert cm.match(seq(0, 60)).stop is None  # 48 is only 16 past the snapshot
+    assert cm.match(seq(0, 64)).stop == 64  # ends on a boundary: no step more
+    fork = cm.match(torch.cat([seq(0, 16), seq(100, 50)]))  # parts at 16, under the snapshot
+    assert (fork.length, fork.stop) == (0, None)
     cm.check_integrity([])
 
 
@@ -199,13 +217,16 @@ def test_chunked_prefill_with_hits(model) -> None:
 
 
 def test_pages_of_four_tokens(model) -> None:
-    """A turn's state is saved only where its sequence ends on a page boundary; the next turn
-    resumes there, or stops its first forward at the end of its cached pages to save one."""
+    """A turn's first forward stops at its prompt's last page boundary to save the state
+    there (a sequence seldom leaves on one); the next turn resumes there."""
     want, _ = serve(model, "naive", lambda llm: chat(llm, turns=4), page_size=4)
     got, _ = serve(model, "radix", lambda llm: chat(llm, turns=4), page_size=4)
     assert tokens(got) == tokens(want)
     hits = [c for r in cached(got)[1:] for c in r]
     assert all(c % 4 == 0 for c in hits) and max(hits) > 0
+    for before, now in zip(got[1:], got[2:]):  # from the third turn: at least the last
+        # prompt's last boundary (more where the last turn left on one)
+        assert all(c >= len(p) // 4 * 4 for (p, _, _), (_, _, c) in zip(before, now))
 
 
 def test_too_few_snapshots_drop_the_least_recent(model) -> None:

@@ -20,10 +20,16 @@ Where snapshots are taken: where a request's state is known to end with its cach
   again: it parts at its last token), `BRANCH_MIN` tokens or more past the deepest snapshot,
   its first forward stops where it parts (`MatchResult.stop`) and the state there is saved:
   the next prompt with that prefix (a shared system prompt, the same prompt again) resumes
-  there. It costs the request one more step, and no token twice. A prompt that goes on from
-  the end of a cached sequence (a conversation whose last state was dropped) stops only with
-  pages larger than one token: with pages of one, the state where it leaves will serve its
-  next turn; with larger ones, that seldom ends on a page boundary.
+  there. It costs the request one more step, and no token twice.
+- With pages larger than one token, the last page boundary of a prompt that goes on from
+  the end of a cached sequence (a conversation's next turn): a sequence seldom leaves on a
+  page boundary, so its state there is saved on the way, `BRANCH_MIN` tokens or more past
+  the deepest snapshot. The first forward stops there, and the prompt's last tokens (fewer
+  than a page) take one more step; a prompt that ends on a boundary takes none. Its next
+  turn resumes there, recomputing less than a page and the answer. (A prompt that matches
+  nothing does not stop: a step more for every new prompt, with one prompt cut at a time,
+  would slow a burst of them.) With pages of one, the state where a request leaves serves
+  its next turn.
 
 Snapshots are few (`state_snapshots`: by default a quarter of the memory the running states
 leave) and big (18 MiB for Qwen3.5-0.8B, as much as 1,500 tokens of its K/V). When none is
@@ -118,17 +124,20 @@ class HybridCacheManager(CacheManager):
 
     def match(self, input_ids: torch.Tensor) -> MatchResult:
         """The cached prefix down to its deepest node with a snapshot; `stop` where the
-        prompt parts from the cached K/V (with pages of one token), or at its end (larger
-        pages), if that is BRANCH_MIN or more tokens further and a snapshot can be had."""
+        prompt parts from the cached K/V, or else (pages larger than one token) at the
+        prompt's last page boundary, if that is BRANCH_MIN or more tokens further and a
+        snapshot can be had."""
         full = super().match(input_ids)
         node, length = full.node, full.length
         while not node.is_root and node not in self.snapshots.held:
             length -= len(node.key)
             node = node.parent  # type: ignore[assignment]
         parts = bool(full.node.children)  # the match ended inside an edge (now split) or at a fork
-        branch = parts or self.page_size > 1
-        branch = branch and full.length - length >= BRANCH_MIN and self.snapshots.available
-        stop = full.length if branch else None
+        stop = full.length if parts else None
+        if not parts and full.length and self.page_size > 1:  # goes on from a sequence's end
+            stop = len(input_ids) // self.page_size * self.page_size
+        if stop is not None and (stop - length < BRANCH_MIN or not self.snapshots.available):
+            stop = None
         return MatchResult(node, length, full.slots[:length], stop)
 
     def attach(self, req: Req, match: MatchResult) -> None:
