@@ -93,6 +93,7 @@ def all_logits(engine: Engine, reqs: list[Req], phase: str) -> torch.Tensor:
     batch = Batch(reqs, phase)  # type: ignore[arg-type]
     new_tokens = sum(r.extend_len for r in reqs)
     engine.prepare_batch(batch)  # may pad the batch for a graph: its tokens come first
+    batch.logit_rows = torch.arange(new_tokens)  # every row: a model may skip others  # [ch29]
     with torch.inference_mode(), engine.ctx.forward_batch(batch):
         logits = engine.model.lm_head.project(engine.model.model(batch.input_ids))
     for req in reqs:

@@ -222,6 +222,44 @@ def test_logits_equal_transformers_with_the_head_kernel(folders, monkeypatch) ->
     assert (got - want).abs().max().item() <= TOL
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_prefill_runs_the_kv_shared_layers_on_last_tokens_alone(folders, backend) -> None:
+    """From the first KV-shared layer on, a prefill runs each request's last token alone
+    (nothing else of those layers reaches the logits or the pool): three prompts, each past
+    a chunk of 11 tokens already in the pool (a window of 8 over pages of 4), give the
+    logits of their last tokens that every row run through gives."""
+    engine = make_engine(folders["e2b"], page_size=4, attention_backend=backend)
+    layers = engine.model.model.layers
+    first = engine.model.model.first_shared
+    assert first == 5 and all(layer.self_attn.shared for layer in layers[first:])
+    seen: list[int] = []
+    layers[first].register_forward_pre_hook(lambda _, args: seen.append(args[0].size(0)))
+    driver, lens = Driver(engine), (13, 22, 30)
+    prompts = [token_ids(40 + i, n) for i, n in enumerate(lens)]
+    params = SamplingParams(max_tokens=2)
+
+    def prefill(rows: list[int], every_row: bool) -> torch.Tensor:
+        reqs = [driver.add(ids, params, row=r) for r, ids in zip(rows, prompts)]
+        for req in reqs:
+            req.device_len = 11
+        all_logits(engine, reqs, "prefill")  # the first chunk
+        for req, n in zip(reqs, lens):
+            req.device_len = n
+        if every_row:
+            return all_logits(engine, reqs, "prefill")[(torch.tensor(lens) - 11).cumsum(0) - 1]
+        batch = Batch(reqs, "prefill")
+        engine.prepare_batch(batch)
+        with torch.inference_mode(), engine.ctx.forward_batch(batch):
+            return engine.model.forward()
+
+    want = prefill([0, 1, 2], every_row=True)
+    assert seen[-1] == sum(lens) - 3 * 11  # every row
+    got = prefill([3, 4, 5], every_row=False)
+    assert seen[-1] == 3  # the last tokens alone
+    assert got.shape == want.shape
+    assert (got - want).abs().max().item() <= TOL
+
+
 PROMPTS = [token_ids(10 + i, n) for i, n in enumerate((13, 22, 30))]
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 

@@ -23,6 +23,14 @@ class BaseAttnMetadata(ABC):
     def get_last_indices(self) -> torch.Tensor:
         """Index of each request's last new token in the flattened token dimension."""
 
+    # >>> ch29
+    def last_rows(self) -> BaseAttnMetadata | None:
+        """The same requests with each one's last new token as its only query: a decode over
+        the K/V the forward has written. None where a backend has no such view."""
+        return None
+
+    # <<< ch29
+
 
 class BaseAttnBackend(ABC):
     """An attention implementation. The class attributes are what the registry reads."""

@@ -39,6 +39,14 @@ class TorchAttnMetadata(BaseAttnMetadata):
     def get_last_indices(self) -> torch.Tensor:
         return self.cu_seqlens_q[1:] - 1
 
+    # >>> ch29
+    def last_rows(self) -> TorchAttnMetadata:
+        n = self.cache_seqlens.size(0)
+        one_each = torch.arange(n + 1, dtype=torch.int32, device=self.cu_seqlens_q.device)
+        return TorchAttnMetadata(one_each, self.cache_seqlens, self.page_table, 1)
+
+    # <<< ch29
+
 
 # >>> ch18 static metadata for CUDA graphs
 @dataclass

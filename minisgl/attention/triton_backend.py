@@ -36,6 +36,14 @@ class TritonMetadata(BaseAttnMetadata):
     def get_last_indices(self) -> torch.Tensor:
         return self.qo_indptr[1:] - 1
 
+    # >>> ch29
+    def last_rows(self) -> TritonMetadata:
+        n = self.rows.size(0)
+        one_each = torch.arange(n + 1, dtype=torch.int32, device=self.rows.device)
+        return TritonMetadata(one_each, self.rows, self.seq_lens, 1)
+
+    # <<< ch29
+
 
 @dataclass
 class TritonCaptureData:

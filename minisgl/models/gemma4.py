@@ -11,7 +11,9 @@ What differs from Gemma 3 (models/gemma3.py):
   the frequencies of the whole head (layers/rope_scaling.py);
 - the last `num_kv_shared_layers` layers (E2B, E4B) compute only queries and attend over
   the keys of the last earlier layer of their kind: they store nothing (kvcache/layout.py
-  gives them their source's place in the pool), and their MLP may be twice as wide;
+  gives them their source's place in the pool), and their MLP may be twice as wide. Since
+  nothing they compute is stored, a prefill runs them on each request's last token alone
+  (`last_rows_only`): nothing else of theirs reaches the logits;
 - a per-layer embedding (PLE, E2B and E4B): a second table gives every token a small vector
   per layer, mixed with a projection of the token's embedding; after its MLP each layer
   adds a gated projection of its vector to the residual stream;
@@ -27,7 +29,7 @@ from __future__ import annotations
 
 import re
 from types import MethodType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -307,6 +309,7 @@ class Gemma4Model(nn.Module):
         self.embed_scale = c.hidden_size**0.5
         self.layers = nn.ModuleList(Gemma4DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = Gemma4RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.first_shared = c.num_layers - g.kv_shared_layers if g.kv_shared_layers else -1
         self.per_layer_dim = g.per_layer_dim
         if g.per_layer_dim:  # one table of num_layers vectors per token, and a projection
             width = c.num_layers * g.per_layer_dim
@@ -319,6 +322,9 @@ class Gemma4Model(nn.Module):
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) if self.per_layer_dim else None
         for i, layer in enumerate(self.layers):
+            if i == self.first_shared and (rows := last_rows_only(get_global_ctx())) is not None:
+                x = x[rows]  # from here on each request's last token alone
+                per_layer = per_layer[rows] if per_layer is not None else None
             x = layer(x, per_layer[:, i] if per_layer is not None else None)
         return self.norm(x)
 
@@ -343,7 +349,14 @@ class Gemma4ForCausalLM(BaseLLMModel):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self) -> torch.Tensor:
-        return self.lm_head(self.model(get_global_ctx().batch.input_ids))
+        batch = get_global_ctx().batch  # the KV-shared layers may narrow its views: put back
+        views = batch.positions, batch.attn_metadata, getattr(batch, "window_metadata", None)
+        try:
+            return self.lm_head(self.model(batch.input_ids))
+        finally:
+            batch.positions, batch.attn_metadata = views[:2]
+            if views[2] is not None:
+                batch.window_metadata = views[2]  # type: ignore[attr-defined]
 
     def checkpoint_name(self, name: str) -> str | None:
         """Our name of a checkpoint tensor (models/families.text_model_name asks): a K=V or
@@ -358,6 +371,35 @@ class Gemma4ForCausalLM(BaseLLMModel):
         if attn.shared or attn.k_eq_v:
             name = name.replace(".q_proj.", ".query_proj.").replace(".k_proj.", ".key_proj.")
         return name
+
+
+def last_rows_only(ctx: Any) -> torch.Tensor | None:
+    """Where a prefill's remaining layers (the KV-shared ones) need only each request's last
+    token: its row in the batch's tokens, with the batch's positions and attention metadata
+    narrowed to those rows (a decode over the K/V its earlier layers stored); None where
+    every row must go on. The logits are the last tokens' anyway, and a KV-shared layer
+    stores nothing a later token reads. Not where prompt log-probabilities want every row,
+    nor inside a graph (its capture is of every row; a replay reads no Python), nor for a
+    padded batch's empty requests, nor where a backend has no decode view (FlashInfer)."""
+    batch = ctx.batch
+    if not batch.is_prefill or batch.logit_rows is not None or batch.graphed:
+        return None
+    if ctx.breakable is not None or (
+        batch.input_ids.is_cuda and torch.cuda.is_current_stream_capturing()
+    ):
+        return None
+    lens = [r.extend_len for r in batch.padded_reqs]
+    if min(lens) < 1 or max(lens) == 1:  # an empty filler; or one token each already
+        return None
+    md, wmd = batch.attn_metadata, getattr(batch, "window_metadata", None)
+    narrow, wnarrow = md.last_rows(), wmd.last_rows() if wmd is not None else None
+    if narrow is None or (wmd is not None and wnarrow is None):
+        return None
+    rows = md.get_last_indices()
+    batch.positions, batch.attn_metadata = batch.positions[rows], narrow
+    if wnarrow is not None:
+        batch.window_metadata = wnarrow
+    return rows
 
 
 class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
