@@ -9,6 +9,7 @@ with many seeds, and shown to catch a broken resample step.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 import urllib.request
@@ -82,6 +83,79 @@ def test_greedy_acceptance_takes_the_agreeing_run_and_the_models_next_token() ->
     reqs = fake_reqs(3, 0.0)
     accepted, final = accept_drafts(logits, reqs, [[3, 4], [2], []], torch.zeros(4, 16))
     assert accepted.tolist() == [1, 1, 0] and final.tolist() == [5, 2, 7]
+
+
+KERNELS = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+
+
+@KERNELS
+def test_the_greedy_acceptance_kernel_equals_the_torch_rule() -> None:
+    """kernels/accept.py (Triton's interpreter on a CPU) against `accept_drafts`: requests
+    with no drafts, all taken, none taken and some, the token after them written into the
+    pool where the first rejected draft was."""
+    from minisgl.kernels.accept import accept_greedy
+
+    gen = torch.Generator().manual_seed(3)
+    vocab, width = 11, 16
+    counts = [0, 3, 5, 1, 4, 2]
+    bs = len(counts)
+    reqs = fake_reqs(bs, 0.0)
+    targets = torch.randint(0, vocab, (sum(counts) + bs,), generator=gen)
+    drafts, ids, starts = [], [], []
+    for i, k in enumerate(counts):
+        start = len(ids)
+        starts.append(start)
+        row = targets[start : start + k].tolist()  # drafts the model agrees with
+        cut = [k, k, 0, 1, 2, 0][i]  # where request i's drafts go wrong
+        draft = row[:cut] + [(t + 1) % vocab for t in row[cut:]]
+        drafts.append(draft)
+        ids += [7] + draft
+    logits = torch.nn.functional.one_hot(targets, vocab).float()
+    logits += 0.01 * torch.rand(logits.shape, generator=gen)  # ties broken
+    accepted, final = accept_drafts(logits, reqs, drafts, torch.zeros(4, 16))
+    pool = torch.zeros(bs, width, dtype=torch.int32)
+    after = [i * width + 2 for i in range(bs)]
+    out = accept_greedy(
+        logits.argmax(dim=-1),
+        torch.tensor(ids, dtype=torch.int32),
+        *(torch.tensor(x) for x in (starts, counts, after)),
+        pool.view(-1),
+        max(counts),
+    )
+    assert out[0].tolist() == accepted.tolist() == [0, 3, 0, 1, 2, 0]
+    assert out[1].tolist() == final.tolist()
+    for i, n in enumerate(accepted.tolist()):
+        assert pool[i].nonzero().flatten().tolist() in ([2 + n], [])
+        assert pool[i, 2 + n] == final[i]
+
+
+@KERNELS
+def test_the_engine_with_the_acceptance_kernel_equals_plain_decoding(monkeypatch) -> None:
+    """The kernel in the verify step (the one a GPU runs, here interpreted): its rows found
+    from the batch's input ids, its token written into the pool, oracle drafts partly
+    wrong."""
+    from minisgl.kernels.accept import accept_greedy
+
+    prompts = tiny_prompts(6)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[0].numel())
+        return accept_greedy(*args)
+
+    monkeypatch.setattr("minisgl.layers.triton_ops.triton_accept", lambda logits: kernel)
+    monkeypatch.setattr(NgramDrafter, "propose", oracle_drafter(prompts, want))
+    got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert got == want
+    assert calls and 0 < spec.num_accepted < spec.num_drafted
 
 
 def sample_first_tokens(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -240,7 +314,7 @@ def test_a_wrong_acceptance_rule_fails(monkeypatch) -> None:
         most = torch.tensor([len(d) for d in drafts])
         return torch.minimum(accepted + 1, most), final
 
-    monkeypatch.setattr("minisgl.speculative.step.accept_drafts", one_too_many)
+    monkeypatch.setattr("minisgl.speculative.verify.accept_drafts", one_too_many)
     monkeypatch.setattr(NgramDrafter, "propose", oracle_drafter(prompts, want))
     got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
     llm.shutdown()

@@ -185,7 +185,7 @@ PHASES = [
     ("drafts into the token pool", "spec", "_place"),
     ("forward (launched)", "engine", "logits"),
     ("sampling (launched)", "engine", "sample_logits"),
-    ("acceptance (launched)", "module", "accept_drafts"),
+    ("acceptance (launched)", "module", "accept_into_pool"),
     ("a hybrid's states rolled back (launched)", "pool", "keep_accepted"),  # [ch31]
     ("copy back and wait for the device", "spec", "_read_back"),
     ("emit the accepted tokens", "spec", "_emit"),

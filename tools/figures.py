@@ -626,7 +626,7 @@ def ch18_padding(out: Path) -> Path:
 def ch26_verify(out: Path) -> Path:
     """A verify step of the chapter 26 example (n-gram drafts, emulated verify graphs): the
     front-packed tokens, padded to the graph's tier, and what each logits row decided."""
-    import minisgl.speculative.step as spec_step
+    import minisgl.speculative.verify as spec_verify
     from minisgl.core import SamplingParams
     from minisgl.env import ENV
     from minisgl.llm import LLM
@@ -643,7 +643,7 @@ def ch26_verify(out: Path) -> Path:
     kw.update(speculative="ngram", speculative_always=True)
     llm = LLM(MODEL, cuda_graph_max_bs=4, **kw)  # the example's last run
     steps: list[dict] = []
-    accept, replay = spec_step.accept_drafts, llm.engine.graph_runner.replay
+    accept, replay = spec_verify.accept_drafts, llm.engine.graph_runner.replay
     tier: list[int] = []
 
     def record_replay(batch):
@@ -665,11 +665,11 @@ def ch26_verify(out: Path) -> Path:
         )
         return accepted, final
 
-    spec_step.accept_drafts, llm.engine.graph_runner.replay = record, record_replay
+    spec_verify.accept_drafts, llm.engine.graph_runner.replay = record, record_replay
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        spec_step.accept_drafts = accept
+        spec_verify.accept_drafts = accept
     tok = llm.tokenizer
     llm.shutdown()
     ENV.DISABLE_OVERLAP_SCHEDULING.value = None

@@ -64,6 +64,18 @@ def triton_argmax(logits: torch.Tensor) -> Callable | None:
     return _triton_kernel("argmax", "argmax_rows") if ENV.FUSED_KERNELS.value else None
 
 
+# >>> ch26
+def triton_accept(logits: torch.Tensor) -> Callable | None:
+    """`kernels.accept.accept_greedy` (a verify's greedy walk and its write) on CUDA, else
+    None."""
+    if triton_argmax(logits) is None:
+        return None
+    return _triton_kernel("accept", "accept_greedy")
+
+
+# <<< ch26
+
+
 def triton_sample(logits: torch.Tensor) -> Callable | None:
     """`kernels.sample.sample_rows` (greedy and drawn rows in one read) for fp32 logits on
     CUDA, else None."""

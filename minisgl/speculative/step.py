@@ -35,7 +35,7 @@ from minisgl.speculative.cost import StepCosts
 from minisgl.speculative.draft_model import DraftModelDrafter
 from minisgl.speculative.ngram import NgramDrafter
 from minisgl.speculative.suffix import SuffixDrafter
-from minisgl.speculative.verify import accept_drafts
+from minisgl.speculative.verify import VerifyRows, accept_into_pool
 from minisgl.utils import to_device, to_host
 
 if TYPE_CHECKING:
@@ -191,20 +191,22 @@ class Speculator:
     def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[TokenMsg]:
         s = self.scheduler
         engine, pool = s.engine, s.engine.token_pool
-        after = self._place(reqs, drafts)
+        rows = self._place(reqs, drafts)
         batch = Batch(reqs, "verify")
         self.num_forwards += 1
-        accepted, final = s.forward(
-            batch, lambda: accept_drafts(engine.logits(batch), reqs, drafts, pool)
-        )
-        if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch31]
-            engine.state_pool.keep_accepted(batch, accepted)  # [ch31]
-        accepted_h, final_h = self._read_back(accepted, final, after)
-        return self._emit(reqs, drafts, accepted_h, final_h)
 
-    def _place(self, reqs: list[Req], drafts: list[list[int]]) -> torch.Tensor:
-        """The drafts into the token pool, after each request's last token; the place of
-        each request's first draft comes back, on the device."""
+        def accept() -> torch.Tensor:  # once the batch is prepared: its input ids are set
+            return accept_into_pool(engine.logits(batch), batch.input_ids, reqs, drafts, pool, rows)
+
+        out = s.forward(batch, accept)
+        if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch31]
+            engine.state_pool.keep_accepted(batch, out[0])  # [ch31]
+        accepted, final = self._read_back(out)
+        return self._emit(reqs, drafts, accepted, final)
+
+    def _place(self, reqs: list[Req], drafts: list[list[int]]) -> VerifyRows:
+        """The drafts into the token pool, after each request's last token; where each
+        request's rows will lie in the verify batch comes back, on the device."""
         pool = self.scheduler.engine.token_pool
         width, device = pool.size(1), pool.device
         places = [
@@ -213,27 +215,26 @@ class Speculator:
             for j in range(len(d))
         ]
         tokens = [t for d in drafts for t in d]
+        counts = [len(d) for d in drafts]
+        starts = [0]
+        for k in counts[:-1]:
+            starts.append(starts[-1] + k + 1)
         after = [r.table_idx * width + r.cached_len + 1 for r in reqs]  # of the first draft
-        n = len(places)  # one copy to the device for the three
-        host = to_device(places + tokens + after, device, torch.int64)
-        where, tokens_d, after_d = host.split([n, n, len(reqs)])
+        n, bs = len(places), len(reqs)  # one copy to the device for all five
+        host = to_device(places + tokens + starts + counts + after, device, torch.int64)
+        where, tokens_d, starts_d, counts_d, after_d = host.split([n, n, bs, bs, bs])
         pool.put_(where, tokens_d.to(torch.int32))
         for req, draft in zip(reqs, drafts):
             req.device_len += len(draft)
-        return after_d
+        return VerifyRows(starts_d, counts_d, after_d, max(counts, default=0))
 
-    def _read_back(
-        self, accepted: torch.Tensor, final: torch.Tensor, after: torch.Tensor
-    ) -> tuple[list[int], list[int]]:
-        """The token after the accepted drafts takes the place of the first rejected one;
-        the accepted counts and those tokens come to the host, which waits for them."""
-        pool = self.scheduler.engine.token_pool
-        pool.put_(after + accepted, final)
-        both = to_host(torch.stack([accepted, final.long()]))
-        if pool.device.type == "cuda":
-            torch.cuda.current_stream(pool.device).synchronize()  # the host needs them now
-        accepted_h, final_h = both.tolist()
-        return accepted_h, final_h
+    def _read_back(self, out: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The accepted counts and the tokens after them come to the host, which waits."""
+        both = to_host(out)
+        if out.device.type == "cuda":
+            torch.cuda.current_stream(out.device).synchronize()  # the host needs them now
+        accepted, final = both.tolist()
+        return accepted, final
 
     def _emit(
         self, reqs: list[Req], drafts: list[list[int]], accepted: list[int], final: list[int]

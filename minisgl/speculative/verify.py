@@ -21,12 +21,14 @@ have one row, and the penalties apply to it as in a decode step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from minisgl.core import Req
 from minisgl.engine.bias import apply_logit_bias, gather_logit_bias
 from minisgl.engine.penalty import apply_penalties, gather_penalties
-from minisgl.engine.sample import gumbel_noise, prepare_sampling, warp
+from minisgl.engine.sample import argmax, gumbel_noise, prepare_sampling, warp
 from minisgl.utils import to_device
 
 ACCEPT_SALT = 0x5BD1E995  # the acceptance draws use a stream apart from the sampling noise
@@ -88,6 +90,48 @@ def accept_drafts(
     final = without_rejected(final, guess, accepted, accepted < valid_d.sum(dim=1))
     noise = gumbel_noise(seeds, first_pos + accepted, vocab)
     return accepted, (final + noise).argmax(dim=-1).to(torch.int32)
+
+
+@dataclass
+class VerifyRows:
+    """Where each request's rows lie in a verify batch, on the device: its first row, its
+    drafts, and the flat place in the token pool of its first draft."""
+
+    starts: torch.Tensor  # [bs] int64
+    counts: torch.Tensor  # [bs] int64
+    after: torch.Tensor  # [bs] int64
+    width: int  # the most drafts of any request
+
+
+def accept_into_pool(
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    reqs: list[Req],
+    drafts: list[list[int]],
+    pool: torch.Tensor,
+    rows: VerifyRows,
+) -> torch.Tensor:
+    """`accept_drafts`, with the token after the accepted drafts written into the token pool
+    in place of the first rejected one -> [2, bs] int64 on the device: the accepted counts,
+    then those tokens, for the host to read in one copy. `ids` are the verify's input ids.
+
+    Where every request decodes greedily, plainly (no bias, no penalties), the drafts it
+    checks are its own input ids one row on, and on a GPU one small kernel after the argmax
+    does the walk and the write (kernels/accept.py): three launches in place of a dozen."""
+    plain = all(
+        r.sampling_params.is_greedy
+        and not r.sampling_params.logit_bias
+        and not r.sampling_params.has_penalties
+        for r in reqs
+    )
+    from minisgl.layers.triton_ops import triton_accept  # triton is slow to import
+
+    if plain and (kernel := triton_accept(logits)) is not None:
+        flat = pool.view(-1)
+        return kernel(argmax(logits), ids, rows.starts, rows.counts, rows.after, flat, rows.width)
+    accepted, final = accept_drafts(logits, reqs, drafts, pool)
+    pool.view(-1)[rows.after + accepted] = final.to(pool.dtype)
+    return torch.stack([accepted, final.long()])
 
 
 def without_rejected(
