@@ -69,6 +69,11 @@ class _Env:
         # threads that build the kernel choice's candidates at once (1: one after another)
         self.BUILD_THREADS = EnvVar.read("BUILD_THREADS", 16)
         # <<< ch20
+        # >>> ch26 a verify launched ahead: with overlap scheduling, a verify whose drafts may
+        # all be taken is followed at once by the next one, launched before its tokens are
+        # read (speculative/step.py); off: every verify waits for its tokens
+        self.SPECULATIVE_AHEAD = EnvVar.read("SPECULATIVE_AHEAD", "on", choices=("on", "off"))
+        # <<< ch26
         # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused
         # kernels run (triton: 1.07-1.22x faster steps at batch 1-256, docs/benchmarks.md),
         # or the torch code (torch)

@@ -370,6 +370,76 @@ def test_with_overlap_scheduling_plain_steps_overlap_and_verify_steps_drain(monk
     assert overlap and got == want and spec.num_accepted > 0
 
 
+def ahead_oracle(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
+    """Drafts from a plain run's own output, after the pending tokens of a verify in flight:
+    up to k, a wrong one now and then, and now and then the last one (a verify's guess of
+    its own token, where verifies go ahead) wrong."""
+
+    def draft(req: Req, k: int, pending: list[int]) -> list[int]:
+        ids = req.input_ids.tolist() + pending
+        i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
+        done = len(ids) - len(prompts[i])
+        tokens = want[i][done : done + k]
+        if done % 4 == 1 and tokens:
+            tokens[-1] = (tokens[-1] + 1) % vocab
+        if done % 5 == 2 and len(tokens) > 2:
+            tokens[1] = (tokens[1] + 1) % vocab
+        return tokens
+
+    def propose(self, reqs, ks, pending=None):
+        extra = pending or [[] for _ in reqs]
+        return [draft(r, k, p) if k > 0 else [] for r, k, p in zip(reqs, ks, extra)]
+
+    return propose
+
+
+@pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=KERNELS)])
+def test_verifies_launched_ahead_give_the_plain_tokens(monkeypatch, kernel) -> None:
+    """With overlap scheduling each verify whose requests guess its token is followed by the
+    next one before its tokens are read: from oracle drafts with wrong drafts and wrong
+    guesses, some of those die (their requests' lengths go back), and the output, a stop
+    token inside an accepted run and every page are as without drafts; on a small pool of
+    pages too, where requests are preempted."""
+    from minisgl.env import ENV
+    from minisgl.kernels.accept import accept_greedy
+
+    prompts = tiny_prompts(7)
+    params = [SamplingParams(max_tokens=14 + 4 * i, ignore_eos=True) for i in range(4)]
+    kw = dict(page_size=16, num_page_override=5, max_prefill_length=12)
+    want, llm = generate(TINY["qwen3"], prompts, params, **kw)
+    llm.shutdown()
+    stop = want[2][9]
+    params[2] = SamplingParams(max_tokens=22, ignore_eos=True, stop_token_ids=[stop])
+    want[2] = want[2][: want[2].index(stop) + 1]
+    if kernel:
+        monkeypatch.setattr("minisgl.layers.triton_ops.triton_accept", lambda _: accept_greedy)
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(NgramDrafter, "propose", ahead_oracle(prompts, want))
+    got, llm = generate(TINY["qwen3"], prompts, params, speculative="ngram", **kw)
+    spec, sched = llm.scheduler.spec, llm.scheduler
+    llm.shutdown()
+    assert got == want
+    assert spec.num_ahead > 0 and spec.num_ahead_dead > 0  # some went ahead, some in vain
+    assert sched.num_preemptions > 0
+    assert 0 < spec.num_accepted < spec.num_drafted
+
+
+def test_with_verifies_ahead_off_every_verify_waits_for_its_tokens(monkeypatch) -> None:
+    from minisgl.env import ENV
+
+    prompts = tiny_prompts(7)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(ENV.SPECULATIVE_AHEAD, "value", "off")
+    monkeypatch.setattr(NgramDrafter, "propose", ahead_oracle(prompts, want))
+    got, llm = generate(TINY["llama"], prompts, params, speculative="ngram")
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert got == want and spec.num_ahead == 0 and spec.num_accepted > 0
+
+
 def test_verify_steps_are_taken_where_the_measured_step_times_say_they_pay() -> None:
     costs = StepCosts()
     assert costs.ratio(1) == PRIOR  # nothing measured yet

@@ -32,6 +32,10 @@ Printed:
   and the sampling or acceptance (launched; on a CPU, computed), the copy of the accepted
   tokens back and the wait for them, emitting them; the rest is the scheduler's own work,
   and outside the step the offline loop's.
+- where verifies go ahead (overlap scheduling on, `MINISGL_SPECULATIVE_AHEAD` on), a run
+  whose drafts are the plain run's own tokens, each verify launched before the one before it
+  is read (speculative/step.py): its step against a decode step, the drafts it took (bf16
+  may part from the plain run at near-ties) and the share of its rows that came to nothing.
 - with `--profile`, torch.profiler's table of the smallest batch at `--timeline-k`: the
   kernels of a verify step against a decode step, by device time per step (on a CPU the
   operators, by CPU time).
@@ -55,13 +59,25 @@ SKIP = 3  # steady steps before the measured ones: the pipeline is under way
 
 
 class RandomDrafts:
-    """Every request drafts what it is asked for, random tokens, at the steps where `on`."""
+    """Every request drafts what it is asked for, random tokens, at the steps where `on`; or
+    where `oracle` holds a plain run's outputs (by prompt), those: the tokens that follow
+    its text and the tokens pending after it."""
 
     def __init__(self, vocab: int, seed: int = 0) -> None:
         self.rng, self.vocab, self.on = random.Random(seed), vocab, True
+        self.oracle: dict[tuple[int, ...], list[int]] | None = None
+        self.input_len = 0
 
-    def propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
-        return [[self.rng.randrange(self.vocab) for _ in range(k if self.on else 0)] for k in ks]
+    def propose(self, reqs: list, ks: list[int], pending: list | None = None) -> list[list[int]]:
+        ks = [k if self.on else 0 for k in ks]
+        if self.oracle is None:
+            return [[self.rng.randrange(self.vocab) for _ in range(k)] for k in ks]
+        out = []
+        for i, (req, k) in enumerate(zip(reqs, ks)):
+            ids = req.input_ids.tolist() + (pending[i] if pending else [])
+            done = len(ids) - self.input_len
+            out.append(self.oracle[tuple(ids[: self.input_len])][done : done + k])
+        return out
 
     def retain(self, uids: set[int]) -> None:
         pass
@@ -72,7 +88,9 @@ class Bench:
         self.llm, self.args = llm, args
         self.sched, self.spec = llm.scheduler, llm.scheduler.spec
         self.drafts = RandomDrafts(llm.engine.model_config.vocab_size, args.seed)
+        self.drafts.input_len = args.input_len
         self.spec.drafter = self.drafts
+        self.can_go_ahead = self.spec.ahead_on  # random drafts never do: on for "ahead" alone
 
     def prompts(self, batch: int) -> list[list[int]]:
         rng = random.Random(self.args.seed)
@@ -82,14 +100,18 @@ class Bench:
     def run(
         self, batch: int, mode: str, k: int, on: Clock | profile | None = None
     ) -> list[tuple[str, float]]:
-        """One generate: mode "plain", "verify" (every step) or "every" (every
-        `--every`-th step), k drafts a request. The (kind, seconds) of the measured steps;
-        `on` (a clock or a profiler) runs over them."""
+        """One generate: mode "plain", "verify" (every step), "every" (every `--every`-th
+        step) or "ahead" (every step, the drafts the plain run's own tokens, each verify
+        launched ahead of the one before it), k drafts a request. The (kind, seconds) of the
+        measured steps; `on` (a clock or a profiler) runs over them."""
         from minisgl.core import SamplingParams
         from minisgl.speculative.cost import StepCosts
 
         args, sched, spec = self.args, self.sched, self.spec
         spec.enabled = mode != "plain"
+        spec.ahead_on = mode == "ahead"
+        if mode != "ahead":
+            self.drafts.oracle = None
         spec.costs = StepCosts()  # what the engine measures in this run alone
         spec.acceptance.draft_len = lambda uid: k  # as many as the request's length allows
         step_fn = type(sched).step.__get__(sched)
@@ -99,7 +121,8 @@ class Bench:
         def step() -> list:
             steady = not sched.prefill.has_work and len(sched.decode.running) == batch
             n = len(starts)
-            self.drafts.on = mode == "verify" or (mode == "every" and n % args.every == 0)
+            every = mode == "every" and n % args.every == 0
+            self.drafts.on = mode in ("verify", "ahead") or every
             if not steady:
                 self.drafts.on = False
             if on is not None and steady and n == SKIP:
@@ -113,10 +136,13 @@ class Bench:
                 kinds.append("verify" if spec.num_forwards > forwards else "plain")
             return out
 
-        tokens = SKIP + args.steps + max(args.ks) + 4
+        tokens = generated(args, k if mode == "ahead" else 0)
         params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+        prompts = self.prompts(batch)
         with patched({(sched, "step"): step}):
-            self.llm.generate(self.prompts(batch), params, use_tqdm=False)
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+        if mode == "plain":  # what an "ahead" run drafts
+            self.plain = {tuple(p): o["token_ids"] for p, o in zip(prompts, outs)}
         if len(starts) < SKIP + args.steps + 1:
             raise SystemExit(f"batch {batch}: the requests never decoded steadily together")
         return [(kinds[i], starts[i + 1] - starts[i]) for i in range(SKIP, SKIP + args.steps)]
@@ -132,8 +158,29 @@ class Bench:
             verifies = sum(kind == "verify" for kind, _ in steps)
             among = (sum(s for _, s in steps) - (len(steps) - verifies) * plain) / max(verifies, 1)
             engine = self.spec.costs.ratio(batch)
-            rows.append(dict(k=k, plain=plain, verify=verify, among=among, engine=engine))
+            row = dict(k=k, plain=plain, verify=verify, among=among, engine=engine)
+            if self.can_go_ahead:
+                self.drafts.oracle = self.plain
+                spec = self.spec
+                before = (spec.num_accepted, spec.num_steps, spec.num_ahead, spec.num_ahead_dead)
+                runs = self.run(batch, "ahead", k)
+                row["ahead"] = statistics.median(s for kind, s in runs if kind == "verify")
+                taken, verified, ahead, dead = (
+                    now - then
+                    for now, then in zip(
+                        (spec.num_accepted, spec.num_steps, spec.num_ahead, spec.num_ahead_dead),
+                        before,
+                    )
+                )
+                row["taken"] = taken / max(verified, 1)  # drafts taken a request and verify
+                row["dead"] = dead / max(ahead * batch, 1)  # rows launched ahead in vain
+            rows.append(row)
         return rows
+
+
+def generated(args: argparse.Namespace, taken: int) -> int:
+    """Tokens a run generates: enough for its measured steps when each takes `taken` drafts."""
+    return (SKIP + args.steps + 2) * (taken + 1) + max(args.ks) + 4
 
 
 def switch(on: Clock | profile, start: bool, device: str) -> None:
@@ -174,6 +221,13 @@ def curve(bench: Bench, args: argparse.Namespace) -> list[dict]:
                     noise=noise,
                 )
             )
+            if "ahead" in runs[0]:  # verifies launched ahead, drafts the model's own tokens
+                out[-1].update(
+                    ahead_ms=med("ahead") * 1e3,
+                    ahead_ratio=statistics.median(r["ahead"] / r["plain"] for r in runs),
+                    taken=med("taken"),
+                    dead=med("dead"),
+                )
     return out
 
 
@@ -280,6 +334,19 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
             f"{r['ratio']:.2f} | {r['among_ms']:.3f} | {r['among_ratio']:.2f} | "
             f"{r['engine_ratio']:.2f} | ±{r['noise']:.1%} |"
         )
+    if any("ahead_ms" in r for r in out["curve"]):
+        print(
+            "\nverifies launched ahead (drafts: the plain run's own tokens, each verify launched"
+            " before the one before it is read)"
+        )
+        print("| batch | drafts k | decode ms | verify ahead ms | ahead / decode | "
+              "drafts taken a verify | rows in vain |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|")
+        for r in out["curve"]:
+            print(
+                f"| {r['batch']} | {r['k']} | {r['decode_ms']:.3f} | {r['ahead_ms']:.3f} | "
+                f"{r['ahead_ratio']:.2f} | {r['taken']:.2f} | {r['dead']:.0%} |"
+            )
     for batch, table in out["timeline"].items():
         print(f"\nhost timeline, batch {batch}, {args.timeline_k} drafts (ms per step)")
         print("| phase | verify step | decode step |")
@@ -333,7 +400,7 @@ def main() -> None:
     if args.overlap is not None:  # read when the scheduler is built
         ENV.DISABLE_OVERLAP_SCHEDULING.value = args.overlap == "off"
     bs = max(args.batches)
-    tokens = args.input_len + SKIP + args.steps + 2 * max(args.ks) + 8
+    tokens = args.input_len + generated(args, max(args.ks)) + 2 * max(args.ks) + 8
     args.speculative = "off"  # the engine's drafter is replaced; its settings are these:
     llm = LLM(
         **engine_kwargs(args),

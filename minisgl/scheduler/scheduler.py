@@ -50,6 +50,7 @@ class InFlight:
     output: ForwardOutput | None  # None until sampled
     emits: list[bool]  # which requests' tokens are real (not a mid-prompt chunk)
     logits: StepLogits | None = None  # the forward, while its sampling waits
+    finish: Callable[[], list[TokenMsg]] | None = None  # a verify's: reads its tokens  # [ch26]
 
 
 class StepListener(Protocol):
@@ -246,6 +247,8 @@ class Scheduler:
 
     def process(self, flight: InFlight) -> list[TokenMsg]:
         """Wait for a launched step's tokens and emit each real one."""
+        if flight.finish is not None:  # a verify left in flight (speculative/step.py)  # [ch26]
+            return flight.finish()  # [ch26]
         if flight.output is None:  # without overlap, the step before is processed  # [ch25]
             self.grammars.sample(flight, self.engine)  # [ch25]
         output = flight.output
@@ -260,6 +263,14 @@ class Scheduler:
                 messages.append(self.emit(req, token, output, i))
         return messages
 
+    # >>> ch26
+    def hand_over(self, finish: Callable[[], list[TokenMsg]]) -> None:
+        """Leave a step launched elsewhere in flight (a verify): the next drain calls
+        `finish` for its tokens."""
+        assert self._in_flight is None, "one step in flight at a time"
+        self._in_flight = InFlight(Batch([], "decode"), None, [], finish=finish)
+
+    # <<< ch26
     def drain(self) -> list[TokenMsg]:
         """Process the step in flight, if one is: nothing is in flight after."""
         flight, self._in_flight = self._in_flight, None

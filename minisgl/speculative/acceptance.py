@@ -27,6 +27,8 @@ FRESH = (2.0, 0.5)  # drafts taken and rejected of a request that has not verifi
 MIN_GAIN = 0.1  # a smaller expected gain is within the noise of measured step times
 BACKOFF = 16  # tokens decoded plainly after a switch-off, before a probe
 MAX_BACKOFF = 1024
+AHEAD = 0.5  # a verify is followed by one launched ahead while its requests take all their
+# drafts at least this often (recent verifies weighing most; a fresh request: this)
 
 
 @dataclass
@@ -36,6 +38,7 @@ class Record:
     off_until: int = 0  # the request drafts nothing while shorter than this
     backoff: int = BACKOFF
     need: float = 0.0  # the gain its last drafts had to bring: r - 1 then
+    whole: float = AHEAD  # how often its verifies took every draft
 
 
 class Acceptance:
@@ -84,8 +87,15 @@ class Acceptance:
         r = self.records.setdefault(uid, Record())
         missed = accepted < drafted  # the draft after the accepted ones was wrong
         r.taken, r.rejected = DECAY * r.taken + accepted, DECAY * r.rejected + missed
+        r.whole = DECAY * r.whole + (1 - DECAY) * (not missed)
         if accepted and accepted >= r.need:  # this verify paid for itself
             r.backoff = BACKOFF
+
+    def goes_ahead(self, uid: int) -> bool:
+        """Whether the request's verifies take all their drafts often enough that the next
+        verify is worth launching before this one's tokens are known (step.py)."""
+        r = self.records.get(uid)
+        return (r.whole if r else AHEAD) >= AHEAD
 
     def forget(self, uid: int) -> None:
         self.records.pop(uid, None)

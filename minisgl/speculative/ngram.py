@@ -11,6 +11,8 @@ No model and no device memory; the search is numpy over the request's own tokens
 Every drafter answers `propose(reqs, ks)`: up to ks[i] tokens for request i, from the
 request's tokens so far (`req.input_ids`, the prompt and what it has generated), and
 `retain(uids)`: forget every request that is not in `uids` (finished, aborted, preempted).
+The prompt-lookup drafters also take `pending`: tokens request i is assumed to have after
+those (a verify's drafts still in flight), to draft what would follow them.
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 2) -> None:
         self.max_n, self.min_n = max_n, min_n
 
-    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
-        return [self.lookup(r.input_ids.numpy(), k) if k > 0 else [] for r, k in zip(reqs, ks)]
+    def propose(
+        self, reqs: list[Req], ks: list[int], pending: list[list[int]] | None = None
+    ) -> list[list[int]]:
+        drafts = []
+        for i, (req, k) in enumerate(zip(reqs, ks)):
+            tokens = req.input_ids.numpy()
+            if pending:
+                tokens = np.concatenate([tokens, np.asarray(pending[i], tokens.dtype)])
+            drafts.append(self.lookup(tokens, k) if k > 0 else [])
+        return drafts
 
     def retain(self, uids: set[int]) -> None:
         pass  # it keeps nothing between steps

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
 
 from minisgl.core import Batch, Req
+from minisgl.env import ENV
 from minisgl.message.backend import TokenMsg
+from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.speculative.acceptance import Acceptance
 from minisgl.speculative.cost import StepCosts
@@ -42,6 +46,23 @@ if TYPE_CHECKING:
     from minisgl.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Ahead:
+    """A verify launched and not yet read back. The one launched on top of it, if any, is its
+    `child`: its rows assumed that this one takes every draft and makes the token `guesses`
+    says, and the requests for which that turns out wrong are the child's `dead` rows."""
+
+    reqs: list[Req]
+    drafts: list[list[int]]
+    guesses: list[int | None]  # the token expected after each request's drafts, if drafted
+    base: list[int]  # each request's cached_len at the launch: its first row's position
+    out: torch.Tensor  # [2, bs] int64 on the device: accepted drafts, the token after them
+    host: torch.Tensor  # its copy on the host, valid once `done` is reached
+    done: torch.cuda.Event | None
+    child: Ahead | None = None
+    dead: set[int] = field(default_factory=set)  # rows that count for nothing
 
 
 class Speculator:
@@ -62,6 +83,18 @@ class Speculator:
         self.skipped: set[str] = set()  # why some batches took the plain step, said once
         self.costs = StepCosts()  # what verify and plain steps cost, measured
         self.drained = False  # this step drained the pipeline for a verify
+        # A verify launched ahead of the one before it (below): with overlap scheduling, for
+        # prompt-lookup drafts, where the KV pool is all a request keeps (no recurrent state
+        # to roll back, no sliding window to free pages by a length that may go back).
+        self.ahead_on = (
+            ENV.SPECULATIVE_AHEAD.value == "on"
+            and scheduler.overlap
+            and isinstance(self.drafter, NgramDrafter | SuffixDrafter)
+            and type(scheduler.cache) is CacheManager
+            and scheduler.engine.state_pool is None
+        )
+        self.ahead: Ahead | None = None  # the verify in flight, when one is
+        self.num_ahead = self.num_ahead_dead = 0  # verifies launched ahead; their rows in vain
 
     def try_step(self, batch: Batch) -> list[TokenMsg] | None:
         """Run `batch` (a decode batch) as a verify step and return its tokens; None when
@@ -70,17 +103,34 @@ class Speculator:
         Drafts are made from a request's tokens on the host, so a verify step needs the
         step before it processed. With overlap scheduling that step is still in flight:
         plain steps keep overlapping, and only where the host's (one step old) tokens
-        already draft something worth a verify step is the pipeline drained for one."""
+        already draft something worth a verify step is the pipeline drained for one. A
+        verify in flight is different: its requests' lengths wait on its tokens, so the next
+        step either launches the next verify on top of it (`_go_ahead`) or drains it first."""
         began, takes, forwards = time.perf_counter(), self._takes(batch), self.num_forwards
         self.drained = False
-        out = self._try(batch) if takes else None
+        out = self._after_ahead(batch, takes) if self.ahead is not None else None
+        if out is None:
+            out = self._try(batch) if takes else None
         kind = "verify" if self.num_forwards > forwards else "drained" if self.drained else "plain"
         self.costs.start(kind if takes else None, batch.size, now=began)  # from its beginning
         return out
 
+    def _after_ahead(self, batch: Batch, takes: bool) -> list[TokenMsg] | None:
+        """The step after a verify left in flight: the next verify launched on top of it, or
+        that verify drained. None where the verify in flight does not concern this batch
+        (a prefill's)."""
+        if not batch.is_decode:
+            return None  # new requests' forward: the verify's tokens come with its drain
+        if takes and (launched := self._go_ahead(batch.reqs)) is not None:
+            return launched
+        # Drained, and nothing launched: the next step schedules the requests as they now
+        # stand (some finished; one whose verify took every draft may need a page).
+        self.drained = True
+        return self.scheduler.drain()
+
     def _try(self, batch: Batch) -> list[TokenMsg] | None:
         s = self.scheduler
-        drafts, _ = self._draft(batch.reqs)
+        drafts, _, guesses = self._draft(batch.reqs)
         if not self._pays(batch.reqs, drafts):
             return None
         messages: list[TokenMsg] = []
@@ -93,12 +143,12 @@ class Speculator:
             batch = fresh
             if not self._takes(batch):  # e.g. a grammar's first token came in
                 return messages + s.run(batch)
-            drafts, ks = self._draft(batch.reqs)  # from the fresh tokens
+            drafts, ks, guesses = self._draft(batch.reqs)  # from the fresh tokens
             self._missed(batch.reqs, drafts, ks, stale)
-        drafts = self._fit(drafts, batch.reqs)
-        if not self._pays(batch.reqs, drafts):  # not after all: a plain step
+        fitted = self._fit(drafts, batch.reqs, guesses)
+        if fitted is None or not self._pays(batch.reqs, fitted):  # not after all: plain
             return messages + s.run(batch)
-        return messages + self._verify(batch.reqs, drafts)
+        return messages + self._verify(batch.reqs, fitted, guesses)
 
     def _missed(
         self, reqs: list[Req], drafts: list[list[int]], ks: list[int], stale: dict[int, int]
@@ -156,10 +206,16 @@ class Speculator:
             logger.info("speculative decoding: plain steps for batches where %s", reason)
         return False
 
-    def _draft(self, reqs: list[Req]) -> tuple[list[list[int]], list[int]]:
-        """Each request's drafts and how many it asked for: as many as its acceptance earns,
-        fewer near its length limit, none while it is switched off or with penalties (they
-        change with every token: see verify.py)."""
+    def _draft(
+        self, reqs: list[Req], pending: list[list[int]] | None = None
+    ) -> tuple[list[list[int]], list[int], list[int | None]]:
+        """Each request's drafts, how many it asked for, and where verifies may go ahead, the
+        token after its drafts (one more drafted, or the last of fewer: the guess of the
+        token its verify makes): as many as its acceptance earns, fewer near its length
+        limit, none while it is switched off or with penalties (they change with every
+        token: see verify.py).
+        `pending`: tokens each request is assumed to have after its own (a verify's drafts
+        and guess in flight)."""
         a = self.acceptance
         need = None if self.always else self.costs.ratio(len(reqs)) - 1  # gain, to go on
         ks = [
@@ -168,30 +224,118 @@ class Speculator:
             else 0
             for r in reqs
         ]
-        return self.drafter.propose(reqs, ks), ks
+        if not self.ahead_on:
+            return self.drafter.propose(reqs, ks), ks, [None] * len(reqs)
+        asked = [k + 1 if k else 0 for k in ks]
+        if pending is None:
+            longer = self.drafter.propose(reqs, asked)
+        else:
+            longer = self.drafter.propose(reqs, asked, pending)  # type: ignore[call-arg]
+        drafts: list[list[int]] = []
+        guesses: list[int | None] = []
+        for req, d, k in zip(reqs, longer, ks):
+            if len(d) < 2 or not (self.always or self.acceptance.goes_ahead(req.uid)):
+                drafts.append(d[:k])
+                guesses.append(None)
+            else:  # the last token drafted is the guess; the ones before it, the drafts
+                drafts.append(d[: min(k, len(d) - 1)])
+                guesses.append(d[len(drafts[-1])])
+        return drafts, ks, guesses
 
     def rate(self, uid: int) -> float:
         """The share of a request's drafts accepted so far (a fresh request starts at 0.8)."""
         return self.acceptance.rate(uid)
 
-    def _fit(self, drafts: list[list[int]], reqs: list[Req]) -> list[list[int]]:
-        """Drop the drafts of the last requests whose pages would not fit."""
+    def _fit(
+        self, drafts: list[list[int]], reqs: list[Req], guesses: list[int | None]
+    ) -> list[list[int]] | None:
+        """Drop the drafts of the last requests whose pages would not fit, and their guesses
+        (each was of the token after all its drafts); None where the requests' own next
+        tokens do not fit."""
         cache = self.scheduler.cache
         room = cache.available_pages - sum(cache.pages_needed(r, r.device_len) for r in reqs)
+        if room < 0:
+            return None
         for i, (req, draft) in enumerate(zip(reqs, drafts)):
             extra = cache.pages_needed(req, req.device_len + len(draft))
             extra -= cache.pages_needed(req, req.device_len)
             if extra > room:
-                drafts[i] = []
+                drafts[i], guesses[i] = [], None
             else:
                 room -= extra
         return drafts
 
+    def _verify(
+        self, reqs: list[Req], drafts: list[list[int]], guesses: list[int | None]
+    ) -> list[TokenMsg]:
+        """A verify step: launched, then either its tokens read back now, or, where every
+        request has a guess of its token and takes all its drafts often enough, left in
+        flight for the next step to launch the next verify on top of it."""
+        ahead = self._launch(reqs, drafts, guesses)
+        if self.ahead_on and self._goes_ahead(reqs, guesses):
+            self._hand_over(ahead)
+            return []
+        return self._finish(ahead)
+
+    def _goes_ahead(self, reqs: list[Req], guesses: list[int | None]) -> bool:
+        if any(g is None for g in guesses):
+            return False
+        return self.always or all(self.acceptance.goes_ahead(r.uid) for r in reqs)
+
+    def _go_ahead(self, reqs: list[Req]) -> list[TokenMsg] | None:
+        """The next verify, launched before the one in flight is read: each request as if
+        that one took every draft and made the token it guessed, the guess its first row
+        (its last token), drafts from its text with the pending ones after it. Then the
+        one in flight is read: where it took fewer drafts or made another token, the
+        request's lengths go back to what it did make, and the new verify's rows for it
+        count for nothing (the device knows too: its acceptance is guarded). None where
+        this batch cannot go ahead (another batch, a request without a guess, no room),
+        nothing done."""
+        before = self.ahead
+        assert before is not None
+        if len(reqs) != len(before.reqs) or any(r is not q for r, q in zip(reqs, before.reqs)):
+            return None
+        if before.dead or not self._goes_ahead(reqs, before.guesses):
+            return None
+        saved = [(r.cached_len, r.device_len) for r in reqs]
+        for req in reqs:  # its drafts in the cache, its guess the last token
+            req.cached_len, req.device_len = req.device_len, req.device_len + 1
+        pending = [d + [g] for d, g in zip(before.drafts, before.guesses)]  # type: ignore[list-item]
+        drafts, _, guesses = self._draft(reqs, pending)
+        fitted = None
+        if all(r.device_len <= r.max_device_len for r in reqs):
+            fitted = self._fit(drafts, reqs, guesses)
+        if fitted is None:  # no room: the verify in flight is drained instead
+            for req, (cached, device) in zip(reqs, saved):
+                req.cached_len, req.device_len = cached, device
+            return None
+        s = self.scheduler
+        ahead = self._launch(reqs, fitted, guesses, before)
+        before.child = ahead
+        self.num_ahead += 1
+        messages = s.drain()  # the verify before: its tokens, and the rows that died
+        self.num_ahead_dead += len(ahead.dead)
+        if len(ahead.dead) < len(reqs):
+            self._hand_over(ahead)
+        return messages
+
+    def _hand_over(self, ahead: Ahead) -> None:
+        """Leave a launched verify in flight: the scheduler's next drain reads it back."""
+        self.ahead = ahead
+        self.scheduler.hand_over(partial(self._finish, ahead))
+
     @torch.inference_mode()
-    def _verify(self, reqs: list[Req], drafts: list[list[int]]) -> list[TokenMsg]:
+    def _launch(
+        self,
+        reqs: list[Req],
+        drafts: list[list[int]],
+        guesses: list[int | None],
+        before: Ahead | None = None,
+    ) -> Ahead:
         s = self.scheduler
         engine, pool = s.engine, s.engine.token_pool
-        rows = self._place(reqs, drafts)
+        base = [r.cached_len for r in reqs]
+        rows = self._place(reqs, drafts, before)
         batch = Batch(reqs, "verify")
         self.num_forwards += 1
 
@@ -201,11 +345,15 @@ class Speculator:
         out = s.forward(batch, accept)
         if engine.state_pool is not None:  # a hybrid's states: back to the accepted  # [ch31]
             engine.state_pool.keep_accepted(batch, out[0])  # [ch31]
-        accepted, final = self._read_back(out)
-        return self._emit(reqs, drafts, accepted, final)
+        host, done = to_host(out), None
+        if out.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return Ahead(reqs, drafts, guesses, base, out, host, done)
 
-    def _place(self, reqs: list[Req], drafts: list[list[int]]) -> VerifyRows:
-        """The drafts into the token pool, after each request's last token; where each
+    def _place(self, reqs: list[Req], drafts: list[list[int]], before: Ahead | None) -> VerifyRows:
+        """The drafts into the token pool, after each request's last token (and for a
+        verify launched ahead, that last token: the guess of the one before); where each
         request's rows will lie in the verify batch comes back, on the device."""
         pool = self.scheduler.engine.token_pool
         width, device = pool.size(1), pool.device
@@ -215,39 +363,56 @@ class Speculator:
             for j in range(len(d))
         ]
         tokens = [t for d in drafts for t in d]
+        if before is not None:  # the guesses, where the verify before would put its token
+            places += [r.table_idx * width + r.cached_len for r in reqs]
+            tokens += before.guesses  # type: ignore[arg-type]
         counts = [len(d) for d in drafts]
         starts = [0]
         for k in counts[:-1]:
             starts.append(starts[-1] + k + 1)
         after = [r.table_idx * width + r.cached_len + 1 for r in reqs]  # of the first draft
-        n, bs = len(places), len(reqs)  # one copy to the device for all five
-        host = to_device(places + tokens + starts + counts + after, device, torch.int64)
-        where, tokens_d, starts_d, counts_d, after_d = host.split([n, n, bs, bs, bs])
-        pool.put_(where, tokens_d.to(torch.int32))
+        n, bs = len(places), len(reqs)  # one copy to the device for all
+        guard = [len(d) for d in before.drafts] + tokens[-bs:] if before is not None else []
+        host = to_device(places + tokens + starts + counts + after + guard, device, torch.int64)
+        parts = host.split([n, n, bs, bs, bs, len(guard)])
+        pool.put_(parts[0], parts[1].to(torch.int32))
         for req, draft in zip(reqs, drafts):
             req.device_len += len(draft)
-        return VerifyRows(starts_d, counts_d, after_d, max(counts, default=0))
+        rows = VerifyRows(parts[2], parts[3], parts[4], max(counts, default=0))
+        if before is not None:
+            rows.guard = (before.out, *parts[5].split(bs))
+        return rows
 
-    def _read_back(self, out: torch.Tensor) -> tuple[list[int], list[int]]:
-        """The accepted counts and the tokens after them come to the host, which waits."""
-        both = to_host(out)
-        if out.device.type == "cuda":
-            torch.cuda.current_stream(out.device).synchronize()  # the host needs them now
-        accepted, final = both.tolist()
+    def _finish(self, ahead: Ahead) -> list[TokenMsg]:
+        """A verify's tokens, read back (the host waits for them), and emitted."""
+        if self.ahead is ahead:
+            self.ahead = None
+        return self._emit(ahead, *self._read_back(ahead))
+
+    def _read_back(self, ahead: Ahead) -> tuple[list[int], list[int]]:
+        if ahead.done is not None:
+            ahead.done.synchronize()  # the host needs them now
+        accepted, final = ahead.host.tolist()
         return accepted, final
 
-    def _emit(
-        self, reqs: list[Req], drafts: list[list[int]], accepted: list[int], final: list[int]
-    ) -> list[TokenMsg]:
-        """Each request's accepted drafts and the model's token, through the scheduler's
-        `emit`; its lengths cover only those, and the pages past them go back."""
-        s = self.scheduler
+    def _emit(self, ahead: Ahead, accepted: list[int], final: list[int]) -> list[TokenMsg]:
+        """Each live request's accepted drafts and the model's token, through the scheduler's
+        `emit`; its lengths cover only those and the pages past them go back, unless the
+        verify launched on top of this one assumed exactly this (then its lengths are that
+        one's already). A request whose chain broke earlier, or that finished meanwhile, is
+        passed over."""
+        s, child = self.scheduler, ahead.child
         messages = []
-        for req, draft, n, token in zip(reqs, drafts, accepted, final):
+        for i, (req, draft, n, token) in enumerate(zip(ahead.reqs, ahead.drafts, accepted, final)):
+            if i in ahead.dead or s.reqs.get(req.uid) is not req:
+                continue
             self._count(req.uid, n, len(draft))
-            req.cached_len += 1 + n  # its last token and the accepted drafts
-            req.device_len = req.cached_len + 1
-            s.cache.trim(req, req.device_len)
+            if child is None or n < len(draft) or token != ahead.guesses[i]:
+                if child is not None:
+                    child.dead.add(i)
+                req.cached_len = ahead.base[i] + 1 + n  # its last token and the accepted drafts
+                req.device_len = req.cached_len + 1
+                s.cache.trim(req, req.device_len)
             for t in draft[:n] + [token]:
                 messages.append(s.emit(req, t))
                 if messages[-1].finished:  # it has left, and its acceptance is forgotten

@@ -170,14 +170,17 @@ class SuffixDrafter:
         self.held = 0  # tokens in self.outputs
         self.own: dict[int, Own] = {}  # by uid
 
-    def propose(self, reqs: list[Req], ks: list[int]) -> list[list[int]]:
+    def propose(
+        self, reqs: list[Req], ks: list[int], pending: list[list[int]] | None = None
+    ) -> list[list[int]]:
         drafts = []
-        for req, k in zip(reqs, ks):
+        for i, (req, k) in enumerate(zip(reqs, ks)):
             if k == 0:
                 drafts.append([])
                 continue
-            own = self._read(req)
-            tail = req.input_ids[-(DEPTH - 1) :].tolist()
+            own = self._read(req)  # its own tokens: pending ones may yet be rejected
+            tail = req.input_ids[-(DEPTH - 1) :].tolist() + (pending[i] if pending else [])
+            tail = tail[-(DEPTH - 1) :]
             mine, theirs = own.tree.draft(tail, k), self.shared.draft(tail, k)
             drafts.append(max(mine, theirs, key=lambda d: d[1])[0])
         return drafts

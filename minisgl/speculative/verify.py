@@ -95,12 +95,15 @@ def accept_drafts(
 @dataclass
 class VerifyRows:
     """Where each request's rows lie in a verify batch, on the device: its first row, its
-    drafts, and the flat place in the token pool of its first draft."""
+    drafts, and the flat place in the token pool of its first draft. A verify launched ahead
+    of the one before it also has its guard: that verify's output (accepted, token), and the
+    drafts it had and the token this one assumed it would make, each [bs]."""
 
     starts: torch.Tensor  # [bs] int64
     counts: torch.Tensor  # [bs] int64
     after: torch.Tensor  # [bs] int64
     width: int  # the most drafts of any request
+    guard: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def accept_into_pool(
@@ -114,6 +117,8 @@ def accept_into_pool(
     """`accept_drafts`, with the token after the accepted drafts written into the token pool
     in place of the first rejected one -> [2, bs] int64 on the device: the accepted counts,
     then those tokens, for the host to read in one copy. `ids` are the verify's input ids.
+    A guarded request whose guard failed (the verify before it took fewer drafts, or made
+    another token) gets -1, -1 and puts that verify's token back where its guess was.
 
     Where every request decodes greedily, plainly (no bias, no penalties), the drafts it
     checks are its own input ids one row on, and on a GPU one small kernel after the argmax
@@ -127,11 +132,18 @@ def accept_into_pool(
     from minisgl.layers.triton_ops import triton_accept  # triton is slow to import
 
     if plain and (kernel := triton_accept(logits)) is not None:
-        flat = pool.view(-1)
-        return kernel(argmax(logits), ids, rows.starts, rows.counts, rows.after, flat, rows.width)
+        where = (rows.starts, rows.counts, rows.after, pool.view(-1))
+        return kernel(argmax(logits), ids, *where, rows.width, rows.guard)
     accepted, final = accept_drafts(logits, reqs, drafts, pool)
-    pool.view(-1)[rows.after + accepted] = final.to(pool.dtype)
-    return torch.stack([accepted, final.long()])
+    out = torch.stack([accepted, final.long()])
+    where = rows.after + accepted
+    if rows.guard is not None:
+        before, expect, guess = rows.guard
+        ok = (before[0] == expect) & (before[1] == guess)
+        out = torch.where(ok, out, -1)
+        final, where = torch.where(ok, final, before[1]), torch.where(ok, where, rows.after - 1)
+    pool.view(-1)[where] = final.to(pool.dtype)
+    return out
 
 
 def without_rejected(
