@@ -424,6 +424,37 @@ def test_verifies_launched_ahead_give_the_plain_tokens(monkeypatch, kernel) -> N
     assert 0 < spec.num_accepted < spec.num_drafted
 
 
+def test_guesses_that_never_hold_stop_verifies_going_ahead(monkeypatch) -> None:
+    """Right drafts and a wrong guess after them, every time: the first verifies launch
+    ahead (a fresh request is given even odds) and die; a request goes ahead while its
+    drafts and guesses held in at least half of its recent verifies, so it stops, and
+    its verifies wait for their tokens, taking every draft."""
+    from minisgl.env import ENV
+
+    prompts = tiny_prompts(8)[:1]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+
+    def wrong_guess(self, reqs, ks, pending=None):
+        out = []
+        for i, (req, k) in enumerate(zip(reqs, ks)):
+            done = req.seq_len + len(pending[i] if pending else []) - len(prompts[0])
+            tokens = want[0][done : done + k]
+            out.append(tokens[:-1] + [(tokens[-1] + 1) % 1000] if len(tokens) > 1 else [])
+        return out
+
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(NgramDrafter, "propose", wrong_guess)
+    kw = dict(speculative="ngram", speculative_always=False)
+    got, llm = generate(TINY["llama"], prompts, params, **kw)
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert got == want and spec.num_accepted > 0
+    assert 1 <= spec.num_ahead <= 2 and spec.num_ahead_dead == spec.num_ahead
+    assert spec.num_steps > 2 * spec.num_ahead  # verifies went on, waiting for their tokens
+
+
 def test_with_verifies_ahead_off_every_verify_waits_for_its_tokens(monkeypatch) -> None:
     from minisgl.env import ENV
 

@@ -27,8 +27,9 @@ FRESH = (2.0, 0.5)  # drafts taken and rejected of a request that has not verifi
 MIN_GAIN = 0.1  # a smaller expected gain is within the noise of measured step times
 BACKOFF = 16  # tokens decoded plainly after a switch-off, before a probe
 MAX_BACKOFF = 1024
-AHEAD = 0.5  # a verify is followed by one launched ahead while its requests take all their
-# drafts at least this often (recent verifies weighing most; a fresh request: this)
+AHEAD = 0.5  # a verify is followed by one launched ahead where the chance that all its
+# requests' drafts and guesses hold is at least this (each request's share of its recent
+# verifies in which they held, recent ones weighing most; a fresh request's: this)
 
 
 @dataclass
@@ -38,7 +39,7 @@ class Record:
     off_until: int = 0  # the request drafts nothing while shorter than this
     backoff: int = BACKOFF
     need: float = 0.0  # the gain its last drafts had to bring: r - 1 then
-    whole: float = AHEAD  # how often its verifies took every draft
+    held: float = AHEAD  # how often its drafts and the guess after them all held
 
 
 class Acceptance:
@@ -87,15 +88,19 @@ class Acceptance:
         r = self.records.setdefault(uid, Record())
         missed = accepted < drafted  # the draft after the accepted ones was wrong
         r.taken, r.rejected = DECAY * r.taken + accepted, DECAY * r.rejected + missed
-        r.whole = DECAY * r.whole + (1 - DECAY) * (not missed)
         if accepted and accepted >= r.need:  # this verify paid for itself
             r.backoff = BACKOFF
 
-    def goes_ahead(self, uid: int) -> bool:
-        """Whether the request's verifies take all their drafts often enough that the next
-        verify is worth launching before this one's tokens are known (step.py)."""
+    def held(self, uid: int) -> float:
+        """The share of the request's recent verifies (with a guess) in which every draft and
+        the guess of the token after them held: the chance a verify launched ahead of its
+        next one counts (step.py)."""
         r = self.records.get(uid)
-        return (r.whole if r else AHEAD) >= AHEAD
+        return r.held if r else AHEAD
+
+    def record_guess(self, uid: int, held: bool) -> None:
+        r = self.records.setdefault(uid, Record())
+        r.held = DECAY * r.held + (1 - DECAY) * held
 
     def forget(self, uid: int) -> None:
         self.records.pop(uid, None)

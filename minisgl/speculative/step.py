@@ -34,7 +34,7 @@ from minisgl.env import ENV
 from minisgl.message.backend import TokenMsg
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.speculative.acceptance import Acceptance
+from minisgl.speculative.acceptance import AHEAD, Acceptance
 from minisgl.speculative.cost import StepCosts
 from minisgl.speculative.draft_model import DraftModelDrafter
 from minisgl.speculative.ngram import NgramDrafter
@@ -235,12 +235,15 @@ class Speculator:
         drafts: list[list[int]] = []
         guesses: list[int | None] = []
         for req, d, k in zip(reqs, longer, ks):
-            if len(d) < 2 or not (self.always or self.acceptance.goes_ahead(req.uid)):
+            if 0 < k < len(d):  # k drafts and the guess (kept to learn how often they hold)
                 drafts.append(d[:k])
+                guesses.append(d[k])
+            elif len(d) >= 2 and self._likely([req]):  # fewer: the last one is the guess
+                drafts.append(d[:-1])
+                guesses.append(d[-1])
+            else:
+                drafts.append(d)
                 guesses.append(None)
-            else:  # the last token drafted is the guess; the ones before it, the drafts
-                drafts.append(d[: min(k, len(d) - 1)])
-                guesses.append(d[len(drafts[-1])])
         return drafts, ks, guesses
 
     def rate(self, uid: int) -> float:
@@ -279,9 +282,19 @@ class Speculator:
         return self._finish(ahead)
 
     def _goes_ahead(self, reqs: list[Req], guesses: list[int | None]) -> bool:
-        if any(g is None for g in guesses):
-            return False
-        return self.always or all(self.acceptance.goes_ahead(r.uid) for r in reqs)
+        return all(g is not None for g in guesses) and self._likely(reqs)
+
+    def _likely(self, reqs: list[Req]) -> bool:
+        """Whether a verify of these requests launched ahead is likely to count: the chance
+        that every request's drafts and guess hold (the product of their recent shares) is
+        at least AHEAD. A chain goes on only while none of its rows died, so at batch 4
+        each request must hold about 84% of the time."""
+        if self.always:
+            return True
+        chance = 1.0
+        for req in reqs:
+            chance *= self.acceptance.held(req.uid)
+        return chance >= AHEAD
 
     def _go_ahead(self, reqs: list[Req]) -> list[TokenMsg] | None:
         """The next verify, launched before the one in flight is read: each request as if
@@ -408,7 +421,10 @@ class Speculator:
             if i in ahead.dead or s.reqs.get(req.uid) is not req:
                 continue
             self._count(req.uid, n, len(draft))
-            if child is None or n < len(draft) or token != ahead.guesses[i]:
+            held = n == len(draft) and token == ahead.guesses[i]
+            if ahead.guesses[i] is not None:
+                self.acceptance.record_guess(req.uid, held)
+            if child is None or not held:
                 if child is not None:
                     child.dead.add(i)
                 req.cached_len = ahead.base[i] + 1 + n  # its last token and the accepted drafts
