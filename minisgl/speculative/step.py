@@ -234,11 +234,12 @@ class Speculator:
             longer = self.drafter.propose(reqs, asked, pending)  # type: ignore[call-arg]
         drafts: list[list[int]] = []
         guesses: list[int | None] = []
-        for req, d, k in zip(reqs, longer, ks):
+        likely = self._likely(reqs)  # else a draft given up for a guess is lost
+        for d, k in zip(longer, ks):
             if 0 < k < len(d):  # k drafts and the guess (kept to learn how often they hold)
                 drafts.append(d[:k])
                 guesses.append(d[k])
-            elif len(d) >= 2 and self._likely([req]):  # fewer: the last one is the guess
+            elif len(d) >= 2 and likely:  # fewer: the last one is the guess
                 drafts.append(d[:-1])
                 guesses.append(d[-1])
             else:
