@@ -424,6 +424,15 @@ def test_verifies_launched_ahead_give_the_plain_tokens(monkeypatch, kernel) -> N
     assert 0 < spec.num_accepted < spec.num_drafted
 
 
+def plain_llama(seed: int, n: int, tokens: int) -> tuple[list, SamplingParams, list]:
+    """n of the tiny prompts, greedy for `tokens` tokens, and the tiny Llama's plain output."""
+    prompts = tiny_prompts(seed)[:n]
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    want, llm = generate(TINY["llama"], prompts, params)
+    llm.shutdown()
+    return prompts, params, want
+
+
 def test_guesses_that_never_hold_stop_verifies_going_ahead(monkeypatch) -> None:
     """Right drafts and a wrong guess after them, every time: the first verifies launch
     ahead (a fresh request is given even odds) and die; a request goes ahead while its
@@ -431,10 +440,7 @@ def test_guesses_that_never_hold_stop_verifies_going_ahead(monkeypatch) -> None:
     its verifies wait for their tokens, taking every draft."""
     from minisgl.env import ENV
 
-    prompts = tiny_prompts(8)[:1]
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    want, llm = generate(TINY["llama"], prompts, params)
-    llm.shutdown()
+    prompts, params, want = plain_llama(8, 1, 40)
 
     def wrong_guess(self, reqs, ks, pending=None):
         out = []
@@ -453,6 +459,41 @@ def test_guesses_that_never_hold_stop_verifies_going_ahead(monkeypatch) -> None:
     assert got == want and spec.num_accepted > 0
     assert 1 <= spec.num_ahead <= 2 and spec.num_ahead_dead == spec.num_ahead
     assert spec.num_steps > 2 * spec.num_ahead  # verifies went on, waiting for their tokens
+
+
+def test_a_batch_not_likely_to_go_ahead_gives_up_no_draft_for_a_guess(monkeypatch) -> None:
+    """Two fresh requests (even odds each: a quarter together) and a drafter that finds two
+    tokens: both are verified as drafts, none kept back as the guess of a chain that the
+    batch is not likely to make."""
+    from minisgl.env import ENV
+    from minisgl.speculative.step import Speculator
+
+    prompts, params, want = plain_llama(9, 2, 30)
+
+    def two(self, reqs, ks, pending=None):
+        out = []
+        for req, k in zip(reqs, ks):
+            i = next(i for i, p in enumerate(prompts) if req.input_ids.tolist()[: len(p)] == p)
+            done = req.seq_len - len(prompts[i])
+            out.append(want[i][done : done + min(k, 2)])
+        return out
+
+    counts: list[int] = []
+    launch = Speculator._launch
+
+    def recorded(self, reqs, drafts, *rest):
+        counts.extend(len(d) for d in drafts)
+        return launch(self, reqs, drafts, *rest)
+
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(NgramDrafter, "propose", two)
+    monkeypatch.setattr(Speculator, "_launch", recorded)
+    kw = dict(speculative="ngram", speculative_always=False)
+    got, llm = generate(TINY["llama"], prompts, params, **kw)
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert got == want and spec.num_ahead == 0
+    assert counts.count(2) >= 2 and counts.count(1) <= len(prompts)  # 1: at a length limit
 
 
 def test_with_verifies_ahead_off_every_verify_waits_for_its_tokens(monkeypatch) -> None:
