@@ -274,8 +274,8 @@ class Speculator:
         self, reqs: list[Req], drafts: list[list[int]], guesses: list[int | None]
     ) -> list[TokenMsg]:
         """A verify step: launched, then either its tokens read back now, or, where every
-        request has a guess of its token and takes all its drafts often enough, left in
-        flight for the next step to launch the next verify on top of it."""
+        request has a guess of its token and the batch's drafts and guesses are likely to
+        hold, left in flight for the next step to launch the next verify on top of it."""
         ahead = self._launch(reqs, drafts, guesses)
         if self.ahead_on and self._goes_ahead(reqs, guesses):
             self._hand_over(ahead)
