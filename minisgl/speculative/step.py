@@ -387,7 +387,7 @@ class Speculator:
             starts.append(starts[-1] + k + 1)
         after = [r.table_idx * width + r.cached_len + 1 for r in reqs]  # of the first draft
         n, bs = len(places), len(reqs)  # one copy to the device for all
-        guard = [len(d) for d in before.drafts] + tokens[-bs:] if before is not None else []
+        guard = [len(d) for d in before.drafts] + list(before.guesses) if before else []
         host = to_device(places + tokens + starts + counts + after + guard, device, torch.int64)
         parts = host.split([n, n, bs, bs, bs, len(guard)])
         pool.put_(parts[0], parts[1].to(torch.int32))
