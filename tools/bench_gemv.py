@@ -28,7 +28,7 @@ import torch
 from common import add_device_args, parse
 from make_random_model import SHAPES as MODELS
 
-from minisgl.engine.kernel_choice import candidates, pick, time_in_graph
+from minisgl.engine.kernel_choice import build_first, candidates, gemv_label, pick, time_in_graph
 from minisgl.layers.kernel_plan import KernelPlan
 from minisgl.layers.triton_ops import GemvKey, ProjectionCall
 
@@ -75,8 +75,22 @@ def timer(reps: int, device: torch.device):
 
 def sweep_blocks(m: int, key: GemvKey) -> list[tuple[int, int, int, int]]:
     """Block shapes worth a try: at most 128 partial sums a thread, K blocks no longer than
-    twice the row."""
-    bm, out = 1 << (m - 1).bit_length(), []
+    twice the row; from two rows up the tensor cores' launches (kernels/gemv_mma.py) too,
+    and past the CUDA cores' rows only those."""
+    out: list = []
+    # >>> ch26 the tensor cores' launches
+    from minisgl.kernels.gemv import FMA_ROWS
+    from minisgl.kernels.gemv_mma import MmaBlocks
+
+    if m > 1:
+        for bn, bk, warps, stages in itertools.product([16, 32, 64], [64, 128, 256], [2, 4],
+                                                       [3, 4]):  # fmt: skip
+            if bk <= max(64, 1 << (key.k - 1).bit_length()) and bn * bk <= 8192 * warps // 4:
+                out.append(MmaBlocks(bn, bk, warps, stages))
+    if m > FMA_ROWS:
+        return out
+    # <<< ch26
+    bm = 1 << (m - 1).bit_length()
     for bn, bk, warps in itertools.product([1, 2, 4, 8], [128, 256, 512, 1024, 2048, 4096],
                                            [1, 2, 4, 8]):  # fmt: skip
         if (
@@ -98,9 +112,9 @@ def sweep(key: GemvKey, weights: list[torch.Tensor], m: int, time_it) -> dict[tu
         for w in weights:
             gemv(x, w, blocks=blocks, gated=key.gated, norm=norm if key.normed else None)
 
-    return {
-        b: time_it(str(b), lambda b=b: run(b)) / len(weights) * 1e6 for b in sweep_blocks(m, key)
-    }
+    blocks_tried = sweep_blocks(m, key)
+    build_first([lambda b=b: run(b) for b in blocks_tried], x.device)  # builds in parallel
+    return {b: time_it(str(b), lambda b=b: run(b)) / len(weights) * 1e6 for b in blocks_tried}
 
 
 def main() -> None:
@@ -153,10 +167,14 @@ def main() -> None:
                 results[f"{model} {layer} m={m}"] = us
             for m in sweep_rows:
                 swept = sweep(key, weights, m, time_it)
-                best = min(swept, key=swept.__getitem__)
+                best = sorted(swept, key=swept.__getitem__)[:3]
                 print(
-                    f"|   sweep | {layer} rows {m}: best {best} {swept[best]:.1f} us "
-                    f"({size / swept[best] / 1e3:.0f} GB/s) of {len(swept)} shapes |"
+                    f"|   sweep | {layer} rows {m}: best of {len(swept)} shapes: "
+                    + ", ".join(
+                        f"{gemv_label(b)[5:]} {swept[b]:.1f} us ({size / swept[b] / 1e3:.0f} GB/s)"
+                        for b in best
+                    )
+                    + " |"
                 )
                 results[f"{model} {layer} m={m} sweep"] = {str(b): t for b, t in swept.items()}
         for m in rows_list:

@@ -279,8 +279,18 @@ def candidates(
 
     runs: dict[str, tuple[Blocks | None, Callable[[], object]]] = {"library": (None, library)}
     for blocks in gemv_candidates(m, key.n, key.k, key.gated):
-        runs["gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"] = (blocks, ours(blocks))
+        runs[gemv_label(blocks)] = (blocks, ours(blocks))
     return runs
+
+
+def gemv_label(blocks: Blocks) -> str:
+    """How the log and the times cache name a GEMV launch: gemv 1x2x512w1 (rows, features and
+    K per program, warps), gemv mma 32x128w2s3 (features, K, warps, stages) on the tensor cores."""
+    # >>> ch26
+    if type(blocks).__name__ == "MmaBlocks":
+        return "gemv mma " + "x".join(map(str, blocks[:2])) + "w{}s{}".format(*blocks[2:])
+    # <<< ch26
+    return "gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"
 
 
 def time_in_graph(label: str, run: Callable[[], object], reps: int = 5) -> float:

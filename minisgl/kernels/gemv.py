@@ -22,9 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates, mma_gemv  # [ch26]
 from minisgl.kernels.pdl import pdl_launch, pdl_wait
 
 MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
+# >>> ch26 the CUDA cores take up to FMA_ROWS rows; the tensor cores up to MMA_ROWS
+FMA_ROWS = MAX_ROWS
+MAX_ROWS = MMA_ROWS
+# <<< ch26
 Blocks = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
 ACC_PER_THREAD = 64  # fp32 partial sums a thread keeps: more spill out of its registers
 
@@ -98,7 +103,10 @@ def gemv_blocks(m: int, n: int, k: int, gated: bool = False) -> Blocks:
 
     From a sweep on the H200 (tools/bench_gemv.py --sweep) of Qwen3-0.6B's shapes: one warp
     per program, a few rows each, about 1,000-2,000 programs, and K in two or three blocks;
-    then K in shorter blocks where the partial sums would not fit in a thread's registers."""
+    then K in shorter blocks where the partial sums would not fit in a thread's registers.
+    Past FMA_ROWS rows: the tensor cores' first launch (kernels/gemv_mma.py)."""
+    if m > FMA_ROWS:  # [ch26]
+        return mma_candidates(n, k, gated)[0]  # [ch26]
     block_m = triton.next_power_of_2(m)
     block_n = max(1, min(4, triton.next_power_of_2(n // 1536 + 1) // 2))
     block_k = 512 if k <= 1024 else 1024
@@ -111,7 +119,13 @@ def gemv_candidates(m: int, n: int, k: int, gated: bool = False) -> list[Blocks]
     once), which suits narrow projections whose few programs leave SMs waiting; and at one
     row, one of eight rows of W per program, the best of the H200's sweeps of Llama-3.2-1B's
     qkv and gate_up with their norms folded in (6.7 and 21.1 us, against 7.4 and 22.1 for
-    the norm kernel and the library's matmul)."""
+    the norm kernel and the library's matmul). From two rows up, the tensor cores' launches
+    too (kernels/gemv_mma.py), and past FMA_ROWS rows only they."""
+    # >>> ch26 a few rows on the tensor cores
+    mma = mma_candidates(n, k, gated) if m > 1 else []
+    if m > FMA_ROWS:
+        return mma
+    # <<< ch26
     block_m = triton.next_power_of_2(m)
     block_k = min(triton.next_power_of_2(k), 4096)
     warps = max(1, min(8, block_m * (1 + gated) * block_k // (32 * 32)))
@@ -121,6 +135,7 @@ def gemv_candidates(m: int, n: int, k: int, gated: bool = False) -> list[Blocks]
     if block_m == 1:  # eight rows of W a program share the work on x (a folded norm's)
         tall = (1, 8, min(256 if gated else 1024, block_k), 1 if gated else 4)
         found += [tall] if tall not in found else []
+    found += mma  # [ch26]
     return found
 
 
@@ -141,6 +156,7 @@ def gemv(
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
+    blocks: `gemv_candidates`' launches (MmaBlocks: on the tensor cores, kernels/gemv_mma.py).
 
     gated: weight holds [gate; up] and the result is silu(x @ gate.T) * (x @ up.T), [m, n/2]
     (a merged gate_up projection and the SiLU-and-mul after it, in one kernel).
@@ -150,6 +166,11 @@ def gemv(
     pdl: launched with programmatic dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
+    # >>> ch26
+    blocks = blocks or gemv_blocks(m, n, k, gated)
+    if isinstance(blocks, MmaBlocks):
+        return mma_gemv(x, weight, blocks, bias, gated, norm, pdl)
+    # <<< ch26
     assert m <= MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert not (gated and bias is not None)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -143,6 +143,7 @@ class GemvKey:
 
 Blocks = tuple[int, int, int, int]  # kernels.gemv's BLOCK_M, BLOCK_N, BLOCK_K, num_warps
 GEMV_ROWS = (1, 2, 4, 8)  # row counts the choice is measured at; m rows use the next one up
+GEMV_ROWS = (1, 2, 4, 8, 16)  # [ch26]
 
 
 @dataclass
