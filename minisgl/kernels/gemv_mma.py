@@ -40,7 +40,7 @@ class MmaBlocks(NamedTuple):
     stages: int
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one build serves every row count
 def _mma_gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
@@ -107,13 +107,17 @@ def _mma_gemv_kernel(
 
 
 def mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
-    """The launches the start-up measurement tries: a narrow one, whose many programs fill
-    every SM several times over on a small model's projections, and a wide one with deeper
-    pipelining for large ones (a gated program moves twice the weights, so it takes half
-    the features)."""
-    narrow = MmaBlocks(16 if gated else 32, 128 if k >= 128 else 64, 2, 3)
-    wide = MmaBlocks(32 if gated else 64, 256 if k >= 256 else 128, 4, 4)
-    return [narrow, wide] if n >= 2048 else [narrow]
+    """The launches the start-up measurement tries, from an H100 sweep at 16 rows of
+    SmolLM2-135M's, Qwen3-0.6B's and Qwen3-8B's projections: few features and long K steps
+    (the best for o and down), a square tile four steps deep (for qkv, gate_up and the LM
+    head), and where K is short, all of it in one step, so that a program waits out one
+    load instead of several (a small model's projections are a few microseconds of latency,
+    not of bytes)."""
+    found = [MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 64, 4, 4)]
+    if k <= 1024:
+        whole = MmaBlocks(16, max(64, triton.next_power_of_2(k)), 4, 1)
+        found += [whole] if whole not in found else []
+    return found
 
 
 def mma_gemv(
