@@ -90,7 +90,6 @@ def test_the_tensor_cores_take_the_rows_the_cuda_cores_cannot() -> None:
     for n, k, gated in [(576, 576, False), (1536, 576, True), (151936, 4096, False)]:
         for b in mma_candidates(n, k, gated):  # the tiles fit the shapes they are tried on
             assert b.block_n >= 16 and b.block_k <= max(64, 2 * k) and b.warps in (1, 2, 4, 8)
-        assert any(b.block_k >= k for b in mma_candidates(n, k)) == (k <= 1024)  # K in one step
     with pytest.raises(AssertionError):
         gemv(torch.randn(MMA_ROWS + 1, 16, device=DEV), torch.randn(8, 16, device=DEV))
 

@@ -107,17 +107,15 @@ def _mma_gemv_kernel(
 
 
 def mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
-    """The launches the start-up measurement tries, from an H100 sweep at 16 rows of
-    SmolLM2-135M's, Qwen3-0.6B's and Qwen3-8B's projections: few features and long K steps
-    (the best for o and down), a square tile four steps deep (for qkv, gate_up and the LM
-    head), and where K is short, all of it in one step, so that a program waits out one
-    load instead of several (a small model's projections are a few microseconds of latency,
-    not of bytes)."""
-    found = [MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 64, 4, 4)]
-    if k <= 1024:
-        whole = MmaBlocks(16, max(64, triton.next_power_of_2(k)), 4, 1)
-        found += [whole] if whole not in found else []
-    return found
+    """The launches the start-up measurement tries, the best of an H100 sweep of 88 tiles
+    at 16 rows on SmolLM2-135M's, Qwen3-0.6B's and Qwen3-8B's projections and of the
+    per-projection tables at 2-16 rows: few features and long K steps for o, down and the
+    LM head; 64 features by 256 of K, three deep, for qkv; for gate_up (twice the weights a
+    program) 64 by 64 four deep on the small models and 64 by 256 unpipelined on the 8B.
+    Taking all of a short K in one step was tried and lost, a gated one by 20x."""
+    if gated:
+        return [MmaBlocks(64, 64, 4, 4), MmaBlocks(64, 256, 4, 1)]
+    return [MmaBlocks(16, 256, 2, 4), MmaBlocks(16, 512, 2, 3), MmaBlocks(64, 256, 4, 3)]
 
 
 def mma_gemv(
