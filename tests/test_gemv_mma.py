@@ -16,7 +16,14 @@ from helpers import TINY, need
 
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
-from minisgl.kernels.gemv import FMA_ROWS, MAX_ROWS, gemv, gemv_blocks, gemv_candidates
+from minisgl.kernels.gemv import (
+    FMA_ROWS,
+    FMA_TRIED,
+    MAX_ROWS,
+    gemv,
+    gemv_blocks,
+    gemv_candidates,
+)
 from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates
 from minisgl.layers.activation import silu_and_mul_reference
 from minisgl.layers.norm import RMSNorm
@@ -75,17 +82,19 @@ def test_mma_gemv_with_the_norm_equals_add_norm_then_the_projection(
 
 
 def test_the_tensor_cores_take_the_rows_the_cuda_cores_cannot() -> None:
-    """One row: the CUDA cores only. Two to FMA_ROWS: both are tried. Past FMA_ROWS: the
-    tensor cores only, and by default. Past MMA_ROWS: neither (the library)."""
-    assert MAX_ROWS == MMA_ROWS and FMA_ROWS < MMA_ROWS
+    """One row: the CUDA cores only. Two to FMA_TRIED: both are tried (the CUDA cores in
+    their default blocks). Past that: the tensor cores only, and past FMA_ROWS by default
+    too. Past MMA_ROWS: neither (the library)."""
+    assert MAX_ROWS == MMA_ROWS and FMA_TRIED <= FMA_ROWS < MMA_ROWS
     n, k = 4096, 1024
     assert not any(isinstance(b, MmaBlocks) for b in gemv_candidates(1, n, k))
-    for m in (2, 4, FMA_ROWS):
+    for m in range(2, FMA_TRIED + 1):
         found = gemv_candidates(m, n, k)
-        assert any(isinstance(b, MmaBlocks) for b in found)
-        assert any(not isinstance(b, MmaBlocks) for b in found)
-    for m in (FMA_ROWS + 1, MMA_ROWS):
+        assert found[0] == gemv_blocks(m, n, k) and not isinstance(found[0], MmaBlocks)
+        assert all(isinstance(b, MmaBlocks) for b in found[1:]) and len(found) > 1
+    for m in (FMA_TRIED + 1, FMA_ROWS, MMA_ROWS):
         assert all(isinstance(b, MmaBlocks) for b in gemv_candidates(m, n, k, gated=True))
+    for m in (FMA_ROWS + 1, MMA_ROWS):
         assert isinstance(gemv_blocks(m, n, k), MmaBlocks)
     for n, k, gated in [(576, 576, False), (1536, 576, True), (151936, 4096, False)]:
         for b in mma_candidates(n, k, gated):  # the tiles fit the shapes they are tried on

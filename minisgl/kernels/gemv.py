@@ -29,6 +29,7 @@ MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul libra
 # >>> ch26 the CUDA cores take up to FMA_ROWS rows; the tensor cores up to MMA_ROWS
 FMA_ROWS = MAX_ROWS
 MAX_ROWS = MMA_ROWS
+FMA_TRIED = 4  # the most rows at which the start-up measurement tries the CUDA cores' GEMV
 # <<< ch26
 Blocks = tuple[int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps
 ACC_PER_THREAD = 64  # fp32 partial sums a thread keeps: more spill out of its registers
@@ -119,12 +120,16 @@ def gemv_candidates(m: int, n: int, k: int, gated: bool = False) -> list[Blocks]
     once), which suits narrow projections whose few programs leave SMs waiting; and at one
     row, one of eight rows of W per program, the best of the H200's sweeps of Llama-3.2-1B's
     qkv and gate_up with their norms folded in (6.7 and 21.1 us, against 7.4 and 22.1 for
-    the norm kernel and the library's matmul). From two rows up, the tensor cores' launches
-    too (kernels/gemv_mma.py), and past FMA_ROWS rows only they."""
+    the norm kernel and the library's matmul). At 2 to FMA_TRIED rows `gemv_blocks` and the
+    tensor cores' launches (kernels/gemv_mma.py), past that only theirs: in two H100 tables
+    of four models the GEMV's other shapes never won past one row, nor any of its shapes at
+    8, and each is a build more on a fresh machine."""
     # >>> ch26 a few rows on the tensor cores
     mma = mma_candidates(n, k, gated) if m > 1 else []
-    if m > FMA_ROWS:
+    if m > FMA_TRIED:
         return mma
+    if mma:
+        return [gemv_blocks(m, n, k, gated), *mma]
     # <<< ch26
     block_m = triton.next_power_of_2(m)
     block_k = min(triton.next_power_of_2(k), 4096)
@@ -135,7 +140,6 @@ def gemv_candidates(m: int, n: int, k: int, gated: bool = False) -> list[Blocks]
     if block_m == 1:  # eight rows of W a program share the work on x (a folded norm's)
         tall = (1, 8, min(256 if gated else 1024, block_k), 1 if gated else 4)
         found += [tall] if tall not in found else []
-    found += mma  # [ch26]
     return found
 
 

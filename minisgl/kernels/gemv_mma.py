@@ -109,13 +109,13 @@ def _mma_gemv_kernel(
 def mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
     """The launches the start-up measurement tries, the best of an H100 sweep of 88 tiles
     at 16 rows on SmolLM2-135M's, Qwen3-0.6B's and Qwen3-8B's projections and of the
-    per-projection tables at 2-16 rows: few features and long K steps for o, down and the
-    LM head; 64 features by 256 of K, three deep, for qkv; for gate_up (twice the weights a
-    program) 64 by 64 four deep on the small models and 64 by 256 unpipelined on the 8B.
-    Taking all of a short K in one step was tried and lost, a gated one by 20x."""
+    per-projection tables at 2-16 rows: 16 features by 256 of K for o, down and the LM head
+    (16 by 512 was as fast on down); 64 by 256, three deep, for qkv; for gate_up (twice the
+    weights a program) 64 by 64 four deep on the small models and 64 by 256 unpipelined on
+    the 8B. Taking all of a short K in one step was tried and lost, a gated one by 20x."""
     if gated:
         return [MmaBlocks(64, 64, 4, 4), MmaBlocks(64, 256, 4, 1)]
-    return [MmaBlocks(16, 256, 2, 4), MmaBlocks(16, 512, 2, 3), MmaBlocks(64, 256, 4, 3)]
+    return [MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 256, 4, 3)]
 
 
 def mma_gemv(
