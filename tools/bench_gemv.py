@@ -75,10 +75,9 @@ def timer(reps: int, device: torch.device):
 
 def sweep_blocks(m: int, key: GemvKey) -> list[tuple[int, int, int, int]]:
     """Block shapes worth a try: at most 128 partial sums a thread, K blocks no longer than
-    twice the row; from two rows up the tensor cores' launches (kernels/gemv_mma.py) too,
-    and past the CUDA cores' rows only those."""
+    twice the row."""
     out: list = []
-    # >>> ch26 the tensor cores' launches
+    # >>> ch26 the tensor cores' launches from two rows up, past the CUDA cores' rows alone
     from minisgl.kernels.gemv import FMA_ROWS
     from minisgl.kernels.gemv_mma import MmaBlocks
 

@@ -8,21 +8,11 @@ measurement (engine/kernel_choice.py) decides per projection and row count.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
 
-
-class MmaBlocks(NamedTuple):
-    """The launch of `fp8_mma_gemv`: output features per program, K per step, warps, and
-    the steps of W in flight (stages of Triton's software pipeline)."""
-
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int
+from minisgl.kernels.gemv_mma import MmaBlocks  # its launch: features, K per step, warps, stages
 
 
 @triton.jit

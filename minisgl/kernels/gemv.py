@@ -104,8 +104,7 @@ def gemv_blocks(m: int, n: int, k: int, gated: bool = False) -> Blocks:
 
     From a sweep on the H200 (tools/bench_gemv.py --sweep) of Qwen3-0.6B's shapes: one warp
     per program, a few rows each, about 1,000-2,000 programs, and K in two or three blocks;
-    then K in shorter blocks where the partial sums would not fit in a thread's registers.
-    Past FMA_ROWS rows: the tensor cores' first launch (kernels/gemv_mma.py)."""
+    then K in shorter blocks where the partial sums would not fit in a thread's registers."""
     if m > FMA_ROWS:  # [ch26]
         return mma_candidates(n, k, gated)[0]  # [ch26]
     block_m = triton.next_power_of_2(m)
@@ -120,11 +119,11 @@ def gemv_candidates(m: int, n: int, k: int, gated: bool = False) -> list[Blocks]
     once), which suits narrow projections whose few programs leave SMs waiting; and at one
     row, one of eight rows of W per program, the best of the H200's sweeps of Llama-3.2-1B's
     qkv and gate_up with their norms folded in (6.7 and 21.1 us, against 7.4 and 22.1 for
-    the norm kernel and the library's matmul). At 2 to FMA_TRIED rows `gemv_blocks` and the
-    tensor cores' launches (kernels/gemv_mma.py), past that only theirs: in two H100 tables
-    of four models the GEMV's other shapes never won past one row, nor any of its shapes at
-    8, and each is a build more on a fresh machine."""
-    # >>> ch26 a few rows on the tensor cores
+    the norm kernel and the library's matmul)."""
+    # >>> ch26 a few rows on the tensor cores (kernels/gemv_mma.py): at 2 to FMA_TRIED rows
+    # with `gemv_blocks`, past that alone. In two H100 tables of four models the GEMV's other
+    # shapes never won past one row, nor any of its shapes at 8, and each is a build more on a
+    # fresh machine.
     mma = mma_candidates(n, k, gated) if m > 1 else []
     if m > FMA_TRIED:
         return mma
@@ -160,7 +159,6 @@ def gemv(
     pdl: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
-    blocks: `gemv_candidates`' launches (MmaBlocks: on the tensor cores, kernels/gemv_mma.py).
 
     gated: weight holds [gate; up] and the result is silu(x @ gate.T) * (x @ up.T), [m, n/2]
     (a merged gate_up projection and the SiLU-and-mul after it, in one kernel).
@@ -170,7 +168,7 @@ def gemv(
     pdl: launched with programmatic dependent launch (kernels/pdl.py)."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
-    # >>> ch26
+    # >>> ch26 the tensor cores' launches (MmaBlocks) go to their own kernel
     blocks = blocks or gemv_blocks(m, n, k, gated)
     if isinstance(blocks, MmaBlocks):
         return mma_gemv(x, weight, blocks, bias, gated, norm, pdl)
