@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Whether the GEMV should take more than one row by default (docs/benchmarks.md, "A few rows
+# on the tensor cores"): MINISGL_GEMV_MAX_ROWS=1 (the default) against 16 (chapter 20's GEMV
+# at 2-4 rows and the tensor cores' kernels/gemv_mma.py at 2-16, where the start-up
+# measurement chose them), in one call:
+#
+#   OUT=/tmp/out bash tools/recipes/gemv_rows_h200.sh                 # repo root, ~8 min
+#   OUT=/tmp/out SHAPES=qwen3-8b BATCHES=1,8 bash tools/recipes/gemv_rows_h200.sh
+#
+# 1. For each shape of SHAPES (random weights, made on the GPU when missing): decode steps at
+#    BATCHES, the two settings in alternating rounds (tools/bench_latency.py --variants),
+#    each engine measuring its own choice at its start.
+# 2. What the extra row counts cost a start: an engine on the first shape started from empty
+#    Triton and kernel-choice caches (a fresh machine) and then warm, each setting twice,
+#    alternating, with the kernel choice's and the engine's time from their log lines.
+#
+# TOKENIZER_FROM: a folder with SmolLM2's tokenizer files (prompts are random ids anyway).
+# A CPU dry run of stage 2: OUT=/tmp/o SHAPES= START_MODEL=models/tiny-llama bash ...
+set -u
+OUT=${OUT:?set OUT to a folder for the results}
+SHAPES=${SHAPES-qwen3-0.6b llama-3.2-1b qwen3-8b}
+BATCHES=${BATCHES:-1,2,4,8,16,64,256}
+ROUNDS=${ROUNDS:-2}
+TOKENIZER_FROM=${TOKENIZER_FROM:-.gpu_tok}
+START_MODEL=${START_MODEL:-/root/${SHAPES%% *}}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+mkdir -p "$OUT"
+log() { tee -a "$OUT/run.log"; }
+git log -1 --format='commit %h %s' 2>/dev/null | log
+nvidia-smi -L 2>/dev/null | log
+for shape in $SHAPES; do
+  [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" \
+      --out "/root/$shape" --tokenizer-from "$TOKENIZER_FROM" --device cuda 2>&1 | tail -1 | log
+  echo "== decode steps, $shape, GEMV up to 1 row against 16 ($SECONDS s)" | log
+  timeout 400 python3 tools/bench_latency.py --model "/root/$shape" --skip-hf --skip-eager \
+      --batch-sizes "$BATCHES" --input-len 32 --output-len 64 --step-tokens 32 \
+      --variants "r1:GEMV_MAX_ROWS=1;r16:GEMV_MAX_ROWS=16" --rounds "$ROUNDS" \
+      --output-json "$OUT/rows_$shape.json" 2>&1 | grep -E "^\||ms/step|Error" | log
+done
+for i in 1 2; do
+  for rows in 1 16; do
+    caches=$(mktemp -d)
+    for state in fresh warm; do
+      echo "== an engine's start, GEMV up to $rows, $state caches ($SECONDS s)" | log
+      MINISGL_GEMV_MAX_ROWS=$rows TRITON_CACHE_DIR=$caches/triton MINISGL_CACHE_DIR=$caches/minisgl \
+          timeout 300 python3 - "$START_MODEL" <<'EOF' 2>&1 | grep -E "engine ready|kernel choice took|ready in|Error" | log
+import logging
+import sys
+import time
+
+logging.basicConfig(level=logging.INFO)
+began = time.perf_counter()
+from minisgl.llm import LLM  # noqa: E402 - the imports are part of the start
+
+llm = LLM(sys.argv[1])
+print(f"LLM ready in {time.perf_counter() - began:.1f} s")
+llm.shutdown()
+EOF
+    done
+    rm -rf "$caches"
+  done
+done
+echo "done at $SECONDS s" | log
