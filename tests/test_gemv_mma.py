@@ -145,3 +145,28 @@ def test_a_verify_of_eight_drafts_in_the_tensor_cores_keeps_the_tokens(
     assert out[0] == out[1]
     nine = {(gated, normed) for m, gated, normed in rows if m == 9}
     assert {(False, True), (True, True), (False, False)} <= nine, rows
+
+
+def test_the_sweep_tries_tiles_that_fit_and_the_tensor_cores_alone_past_the_cuda_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tools/bench_gemv.py --sweep: from two rows up the tensor cores' tiles, each within
+    160 KB of shared memory over its pipeline's stages; past FMA_ROWS rows only those."""
+    from pathlib import Path
+
+    from minisgl.layers.triton_ops import GemvKey
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    from bench_gemv import sweep_blocks
+
+    for gated in (False, True):
+        key = GemvKey(3072, 1024, gated, True, False)
+        assert not any(isinstance(b, MmaBlocks) for b in sweep_blocks(1, key))
+        both = sweep_blocks(4, key)
+        assert any(isinstance(b, MmaBlocks) for b in both)
+        assert any(not isinstance(b, MmaBlocks) for b in both)
+        alone = sweep_blocks(FMA_ROWS + 1, key)
+        assert alone and all(isinstance(b, MmaBlocks) for b in alone)
+        for b in alone:
+            assert (b.block_n * (1 + gated) + 16) * b.block_k * 2 * b.stages <= 160 * 1024
+        assert set(mma_candidates(3072, 1024, gated)) <= set(alone)  # the candidates came from it

@@ -82,7 +82,7 @@ def sweep_blocks(m: int, key: GemvKey) -> list[tuple[int, int, int, int]]:
     from minisgl.kernels.gemv_mma import MmaBlocks
 
     if m > 1:  # tiles whose pipelined steps fit in shared memory (160 KB of the 228)
-        for bn, bk, warps, stages in itertools.product([16, 32, 64, 128], [128, 256, 512, 1024],
+        for bn, bk, warps, stages in itertools.product([16, 32, 64, 128], [64, 128, 256, 512, 1024],
                                                        [2, 4], [1, 2, 3, 4]):  # fmt: skip
             staged = (bn * (1 + key.gated) + 16) * bk * 2 * stages
             if bk <= max(128, 1 << (key.k - 1).bit_length()) and staged <= 160 * 1024:
