@@ -5,14 +5,14 @@
 # measurement chose them), in one call:
 #
 #   OUT=/tmp/out bash tools/recipes/gemv_rows_h200.sh                 # repo root, ~8 min
-#   OUT=/tmp/out SHAPES=qwen3-8b BATCHES=1,8 bash tools/recipes/gemv_rows_h200.sh
+#   OUT=/tmp/out SHAPES=qwen3-8b BATCHES=1,8 STARTS=0 bash tools/recipes/gemv_rows_h200.sh
 #
 # 1. For each shape of SHAPES (random weights, made on the GPU when missing): decode steps at
 #    BATCHES, the two settings in alternating rounds (tools/bench_latency.py --variants),
 #    each engine measuring its own choice at its start.
 # 2. What the extra row counts cost a start: an engine on the first shape started from empty
-#    Triton and kernel-choice caches (a fresh machine) and then warm, each setting twice,
-#    alternating, with the kernel choice's and the engine's time from their log lines.
+#    Triton and kernel-choice caches (a fresh machine) and then warm, each setting STARTS
+#    times (2; 0 skips the stage), alternating, with the kernel choice's and the engine's time from their log lines.
 #
 # TOKENIZER_FROM: a folder with SmolLM2's tokenizer files (prompts are random ids anyway).
 # A CPU dry run of stage 2: OUT=/tmp/o SHAPES= START_MODEL=models/tiny-llama bash ...
@@ -21,6 +21,8 @@ OUT=${OUT:?set OUT to a folder for the results}
 SHAPES=${SHAPES-qwen3-0.6b llama-3.2-1b qwen3-8b}
 BATCHES=${BATCHES:-1,2,4,8,16,64,256}
 ROUNDS=${ROUNDS:-2}
+STARTS=${STARTS:-2}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
 TOKENIZER_FROM=${TOKENIZER_FROM:-.gpu_tok}
 START_MODEL=${START_MODEL:-/root/${SHAPES%% *}}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
@@ -32,12 +34,12 @@ for shape in $SHAPES; do
   [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" \
       --out "/root/$shape" --tokenizer-from "$TOKENIZER_FROM" --device cuda 2>&1 | tail -1 | log
   echo "== decode steps, $shape, GEMV up to 1 row against 16 ($SECONDS s)" | log
-  timeout 400 python3 tools/bench_latency.py --model "/root/$shape" --skip-hf --skip-eager \
+  timeout "$BENCH_TIMEOUT" python3 tools/bench_latency.py --model "/root/$shape" --skip-hf --skip-eager \
       --batch-sizes "$BATCHES" --input-len 32 --output-len 64 --step-tokens 32 \
       --variants "r1:GEMV_MAX_ROWS=1;r16:GEMV_MAX_ROWS=16" --rounds "$ROUNDS" \
       --output-json "$OUT/rows_$shape.json" 2>&1 | grep -E "^\||ms/step|Error" | log
 done
-for i in 1 2; do
+for i in $(seq 1 "$STARTS"); do
   for rows in 1 16; do
     caches=$(mktemp -d)
     for state in fresh warm; do
