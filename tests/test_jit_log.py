@@ -1,11 +1,13 @@
 """The engine's log of Triton kernel builds: its hooks are Triton's, chained, and it tells
 builds at start-up from builds after the engine is ready."""
 
+import threading
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from minisgl.engine.jit_log import jit_log
+from minisgl.engine.jit_log import build_ahead, jit_log
 
 knobs = pytest.importorskip("triton.knobs")
 
@@ -26,3 +28,74 @@ def test_hooks_record_builds_and_split_at_ready():
     assert log.summary().startswith("2 kernel builds") and "_some_kernel x2" in log.summary()
     log.mark_ready()
     assert log.after_ready() == [] and log.summary() == "no kernel built"
+
+
+class _Kernel:
+    """Stands in for a JITFunction: `preload` builds from what Triton recorded."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.built = fail, []
+
+    def preload(self, data: str) -> None:
+        if self.fail:
+            raise RuntimeError("no")
+        self.built.append((threading.current_thread().name, data))
+
+
+def test_build_ahead_skips_our_unbuilt_kernels_then_builds_each_once_in_threads():
+    jit_log()  # the engine's hooks are installed first; build_ahead chains to them
+    before = knobs.runtime.jit_cache_hook
+    gemv, broken = _Kernel(), _Kernel(fail=True)
+    ours = SimpleNamespace(module="minisgl.kernels.gemv", name="_gemv_kernel", jit_function=gemv)
+    bad = SimpleNamespace(module="minisgl.kernels.x", name="_x_kernel", jit_function=broken)
+    theirs = SimpleNamespace(module="fla.ops.utils", name="_chunk", jit_function=_Kernel())
+    answers, threads = [], []
+
+    def dry_run() -> None:
+        hook = knobs.runtime.jit_cache_hook
+        for fn, key in [(ours, "a"), (ours, "b"), (ours, "a"), (bad, "a"), (theirs, "c")]:
+            spec = {"specialization_data": f"{fn.name} {key}"}
+            answers.append(hook(key=key, fn=fn, repr="", compile=spec, is_manual_warmup=False))
+
+    built = build_ahead(dry_run, 4, lambda: threads.append(threading.current_thread().name))
+    # ours: noted, neither built nor launched (True); another library's builds as it would
+    # have (the log's hook answers None), an autotuner must not time a launch that was skipped
+    assert answers == [True, True, True, True, None]
+    assert built == (2, 3)  # of (_gemv_kernel, a), (_gemv_kernel, b), (_x_kernel, a)
+    assert sorted(d for _, d in gemv.built) == ["_gemv_kernel a", "_gemv_kernel b"]
+    assert {t for t, _ in gemv.built} <= set(threads) and threads  # in the pool's threads
+    assert knobs.runtime.jit_cache_hook is before  # the hook is back, a failed build swallowed
+
+
+def test_build_ahead_puts_the_hook_back_when_the_dry_run_raises():
+    before = knobs.runtime.jit_cache_hook
+
+    def dry_run() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError):
+        build_ahead(dry_run, 2, lambda: None)
+    assert knobs.runtime.jit_cache_hook is before
+
+
+def test_graphs_captured_after_a_dry_run_of_every_shape_replay_as_eager(monkeypatch):
+    """The capture's dry run prepares and runs every shape once before the capture does it
+    again: the graphs must still replay as the eager engine decodes."""
+    from helpers import SMOL, need
+
+    from minisgl.core import SamplingParams
+    from minisgl.engine.graph import GraphRunner
+    from minisgl.llm import LLM
+
+    monkeypatch.setattr(GraphRunner, "_builds_ahead", lambda self: True)  # a CPU's graphs too
+    kw = dict(dtype=torch.float32, device="cpu", num_page_override=256, max_seq_len_override=64)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
+    outs = []
+    for bs in (0, 4):
+        llm = LLM(str(need(SMOL)), cuda_graph_max_bs=bs, **kw)
+        if bs:
+            assert "kernels built ahead" in llm.engine.graph_runner.capture_seconds
+        outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
+        llm.shutdown()
+    assert outs[0] == outs[1]

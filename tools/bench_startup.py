@@ -38,6 +38,7 @@ SHOWN = (
     "attention backend:",
     "kernel choice",
     "captured ",
+    "kernels ahead",
 )
 # "2026-12-03 15:56:56,442 tokenizer INFO message": the log format of every process
 LOG_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) (\S+) [A-Z]+ (.*)$")

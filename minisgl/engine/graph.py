@@ -31,6 +31,8 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, get_global_ctx
+from minisgl.engine.jit_log import build_ahead  # [ch20]
+from minisgl.env import ENV  # [ch20]
 from minisgl.models.base import BaseLLMModel
 
 if TYPE_CHECKING:
@@ -275,16 +277,10 @@ class GraphRunner:
             n, buf = max(s.slots for _, s in todo), self.buffer  # [ch31]
             buf.state_slots, buf.state_offsets = states.graph_buffers(n, plan.dummy_req)  # [ch31]
         with _gc_frozen(self.stream is not None):
+            if self._builds_ahead():  # [ch20]
+                self._build_ahead(model, todo)  # [ch20]
             for kind, shape in todo:
-                batch = kind.capture_batch(shape, self.attn_backend)
-                self.buffer.set_batch(batch, shape.tokens)
-                batch.logits_out = logits = self.buffer.logits[: kind.logit_rows(shape)]
-
-                def forward(logits: torch.Tensor = logits) -> None:
-                    out = model.forward()  # the LM head's cast writes into the buffer...
-                    if out.data_ptr() != logits.data_ptr():  # ...unless a model's head goes on
-                        logits.copy_(out)
-
+                batch, forward = self._prepare(model, kind, shape)
                 began = time.perf_counter()
                 with ctx.forward_batch(batch):
                     forward()  # warm-up: lazy initialisation stays out of the graph
@@ -303,6 +299,51 @@ class GraphRunner:
             "; ".join(f"{k.phase} {[(s.slots, s.tokens) for s in k.shapes]}" for k in plan.kinds),
         )
 
+    def _prepare(
+        self, model: BaseLLMModel, kind: GraphKind, shape: GraphShape
+    ) -> tuple[Batch, Callable[[], None]]:
+        """The batch a graph of `shape` is captured with, its inputs in the buffer, and the
+        forward to capture."""
+        batch = kind.capture_batch(shape, self.attn_backend)
+        self.buffer.set_batch(batch, shape.tokens)
+        batch.logits_out = logits = self.buffer.logits[: kind.logit_rows(shape)]
+
+        def forward() -> None:
+            out = model.forward()  # the LM head's cast writes into the buffer...
+            if out.data_ptr() != logits.data_ptr():  # ...unless a model's head goes on
+                logits.copy_(out)
+
+        return batch, forward
+
+    # >>> ch20
+    def _builds_ahead(self) -> bool:
+        return self.stream is not None and ENV.BUILD_AHEAD.value and ENV.BUILD_THREADS.value > 1
+
+    def _build_ahead(self, model: BaseLLMModel, todo: list[tuple[GraphKind, GraphShape]]) -> None:
+        """Build the Triton kernels the capture will need in threads first (jit_log.py): on
+        a fresh machine each takes about a second, and the capture's forwards would build
+        them one after another."""
+        began, ctx = time.perf_counter(), get_global_ctx()
+        here = torch.cuda.current_device() if self.device.type == "cuda" else None
+
+        def dry_run() -> None:
+            for kind, shape in todo:
+                batch, forward = self._prepare(model, kind, shape)
+                with ctx.forward_batch(batch):
+                    forward()
+            _synchronize(self.device)
+
+        on_gpu = (lambda: torch.cuda.set_device(here)) if here is not None else lambda: None
+        built, noted = build_ahead(dry_run, ENV.BUILD_THREADS.value, on_gpu)
+        spent = self.capture_seconds["kernels built ahead"] = time.perf_counter() - began
+        logger.info(
+            "built %d of %d Triton kernels ahead of the graphs in %.2fs",
+            built,
+            noted,
+            spent,
+        )
+
+    # <<< ch20
     def graphs(self, phase: str) -> dict[Any, Graph]:
         """The captured graphs of one kind, by its own key ({} for a kind not planned)."""
         kind = self.kinds.get(phase)

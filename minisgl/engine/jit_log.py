@@ -8,14 +8,24 @@ starts this log before it loads anything and marks the moment it is ready; what 
 after the mark is a shape start-up did not warm, and `after_ready()` names it. Uses
 Triton's runtime hooks (triton.knobs, Triton 3.4 and later); without them the log is
 empty.
+
+The same hooks let start-up build the graphs' kernels in threads (`build_ahead`): a dry run
+of the forwards the capture will make, in which a kernel not built yet is only noted (neither
+built nor launched), then every noted kernel built at once, several threads at a time.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -79,3 +89,53 @@ def jit_log() -> JitLog:
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_built
     return _log
+
+
+def build_ahead(
+    dry_run: Callable[[], None], threads: int, on_thread: Callable[[], None]
+) -> tuple[int, int]:
+    """Build the Triton kernels `dry_run` would build, `threads` at a time; returns how many
+    were built and how many were noted.
+
+    `dry_run` makes the calls that are about to be made for real (the graph capture's
+    forwards). While it runs, the first launch of one of minisgl's kernels in a shape not
+    built yet is noted and skipped: not built, not launched, so what it should have written
+    stays garbage, harmless in a run whose results are thrown away. Then each noted kernel is
+    built from what Triton recorded of it (its `preload`), in a pool of threads whose
+    `on_thread` runs first (to pick the GPU): most of a build is LLVM and ptxas, outside
+    Python's lock, so the builds overlap, and the real calls find them built. Other
+    libraries' kernels are left alone (an autotuner would time a skipped launch as free);
+    they build in the dry run as they would have anyway. A kernel that fails to build here
+    is built by its real call, which raises if it must."""
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton, or one without runtime hooks: nothing to build ahead
+        dry_run()
+        return 0, 0
+    noted: dict[tuple[str, str], tuple[object, str]] = {}
+    before = knobs.runtime.jit_cache_hook
+
+    def note(*, key, fn, compile, **kw):
+        if str(getattr(fn, "module", "")).startswith("minisgl."):
+            noted.setdefault((fn.name, str(key)), (fn.jit_function, compile["specialization_data"]))
+            return True  # True: Triton neither builds nor launches it
+        return before(key=key, fn=fn, compile=compile, **kw) if before else None
+
+    knobs.runtime.jit_cache_hook = note
+    try:
+        dry_run()
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+    def build(kernel: object, data: str) -> bool:
+        try:
+            kernel.preload(data)  # type: ignore[attr-defined]
+            return True
+        except Exception as e:  # noqa: BLE001 - the real call builds it, or raises
+            logger.warning("building a kernel ahead failed (%r); the capture builds it", e)
+            return False
+
+    workers = max(1, min(threads, len(noted), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers, initializer=on_thread) as pool:
+        built = sum(pool.map(lambda kd: build(*kd), noted.values()))
+    return built, len(noted)
