@@ -42,14 +42,14 @@ class _Kernel:
         self.built.append((threading.current_thread().name, data))
 
 
-def test_build_ahead_skips_our_unbuilt_kernels_then_builds_each_once_in_threads():
+def test_build_ahead_skips_our_unbuilt_kernels_then_builds_each_once_in_threads(caplog):
     jit_log()  # the engine's hooks are installed first; build_ahead chains to them
     before = knobs.runtime.jit_cache_hook
     gemv, broken = _Kernel(), _Kernel(fail=True)
     ours = SimpleNamespace(module="minisgl.kernels.gemv", name="_gemv_kernel", jit_function=gemv)
     bad = SimpleNamespace(module="minisgl.kernels.x", name="_x_kernel", jit_function=broken)
     theirs = SimpleNamespace(module="fla.ops.utils", name="_chunk", jit_function=_Kernel())
-    answers, threads = [], []
+    answers = []
 
     def dry_run() -> None:
         hook = knobs.runtime.jit_cache_hook
@@ -57,25 +57,29 @@ def test_build_ahead_skips_our_unbuilt_kernels_then_builds_each_once_in_threads(
             spec = {"specialization_data": f"{fn.name} {key}"}
             answers.append(hook(key=key, fn=fn, repr="", compile=spec, is_manual_warmup=False))
 
-    built = build_ahead(dry_run, 4, lambda: threads.append(threading.current_thread().name))
+    with caplog.at_level("INFO", logger="minisgl.engine.jit_log"):
+        assert build_ahead(dry_run, torch.device("cpu"), threads=2) >= 0
     # ours: noted, neither built nor launched (True); another library's builds as it would
-    # have (the log's hook answers None), an autotuner must not time a launch that was skipped
+    # have (the log's hook answers None): an autotuner must not time a launch that was skipped
     assert answers == [True, True, True, True, None]
-    assert built == (2, 3)  # of (_gemv_kernel, a), (_gemv_kernel, b), (_x_kernel, a)
     assert sorted(d for _, d in gemv.built) == ["_gemv_kernel a", "_gemv_kernel b"]
-    assert {t for t, _ in gemv.built} <= set(threads) and threads  # in the pool's threads
-    assert knobs.runtime.jit_cache_hook is before  # the hook is back, a failed build swallowed
+    main = threading.current_thread().name
+    assert all(t != main for t, _ in gemv.built)  # in the pool's threads
+    assert "built 2 of 3 Triton kernels ahead" in caplog.text  # a failed build is only logged
+    assert knobs.runtime.jit_cache_hook is before
 
 
-def test_build_ahead_puts_the_hook_back_when_the_dry_run_raises():
-    before = knobs.runtime.jit_cache_hook
+def test_build_ahead_puts_the_hook_back_and_does_nothing_on_one_thread():
+    before, ran = knobs.runtime.jit_cache_hook, []
 
     def dry_run() -> None:
+        ran.append(1)
         raise ValueError("boom")
 
     with pytest.raises(ValueError):
-        build_ahead(dry_run, 2, lambda: None)
+        build_ahead(dry_run, torch.device("cpu"), threads=2)
     assert knobs.runtime.jit_cache_hook is before
+    assert build_ahead(dry_run, torch.device("cpu"), threads=1) == 0.0 and ran == [1]
 
 
 def test_graphs_captured_after_a_dry_run_of_every_shape_replay_as_eager(monkeypatch):

@@ -317,14 +317,13 @@ class GraphRunner:
 
     # >>> ch20
     def _builds_ahead(self) -> bool:
-        return self.stream is not None and ENV.BUILD_AHEAD.value and ENV.BUILD_THREADS.value > 1
+        return self.stream is not None and ENV.BUILD_AHEAD.value
 
     def _build_ahead(self, model: BaseLLMModel, todo: list[tuple[GraphKind, GraphShape]]) -> None:
         """Build the Triton kernels the capture will need in threads first (jit_log.py): on
-        a fresh machine each takes about a second, and the capture's forwards would build
-        them one after another."""
-        began, ctx = time.perf_counter(), get_global_ctx()
-        here = torch.cuda.current_device() if self.device.type == "cuda" else None
+        a fresh machine each takes about a second, and the capture would build them one
+        after another as its forwards meet them."""
+        ctx = get_global_ctx()
 
         def dry_run() -> None:
             for kind, shape in todo:
@@ -333,15 +332,7 @@ class GraphRunner:
                     forward()
             _synchronize(self.device)
 
-        on_gpu = (lambda: torch.cuda.set_device(here)) if here is not None else lambda: None
-        built, noted = build_ahead(dry_run, ENV.BUILD_THREADS.value, on_gpu)
-        spent = self.capture_seconds["kernels built ahead"] = time.perf_counter() - began
-        logger.info(
-            "built %d of %d Triton kernels ahead of the graphs in %.2fs",
-            built,
-            noted,
-            spent,
-        )
+        self.capture_seconds["kernels built ahead"] = build_ahead(dry_run, self.device)
 
     # <<< ch20
     def graphs(self, phase: str) -> dict[Any, Graph]:

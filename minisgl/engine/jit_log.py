@@ -25,6 +25,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
+from minisgl.env import ENV
+
 logger = logging.getLogger(__name__)
 
 
@@ -91,27 +95,29 @@ def jit_log() -> JitLog:
     return _log
 
 
-def build_ahead(
-    dry_run: Callable[[], None], threads: int, on_thread: Callable[[], None]
-) -> tuple[int, int]:
-    """Build the Triton kernels `dry_run` would build, `threads` at a time; returns how many
-    were built and how many were noted.
+def build_ahead(dry_run: Callable[[], None], device: torch.device, threads: int = 0) -> float:
+    """Build the Triton kernels `dry_run` would build, several threads at a time (`threads`,
+    default MINISGL_BUILD_THREADS; fewer than two: nothing is run or built here); returns
+    the seconds it took.
 
     `dry_run` makes the calls that are about to be made for real (the graph capture's
     forwards). While it runs, the first launch of one of minisgl's kernels in a shape not
     built yet is noted and skipped: not built, not launched, so what it should have written
     stays garbage, harmless in a run whose results are thrown away. Then each noted kernel is
-    built from what Triton recorded of it (its `preload`), in a pool of threads whose
-    `on_thread` runs first (to pick the GPU): most of a build is LLVM and ptxas, outside
-    Python's lock, so the builds overlap, and the real calls find them built. Other
-    libraries' kernels are left alone (an autotuner would time a skipped launch as free);
-    they build in the dry run as they would have anyway. A kernel that fails to build here
-    is built by its real call, which raises if it must."""
+    built from what Triton recorded of it (its `preload`) in a pool of threads on the
+    engine's GPU: most of a build is LLVM and ptxas, outside Python's lock, so the builds
+    overlap, and the real calls find them built. Other libraries' kernels are left alone (an
+    autotuner would time a skipped launch as free); they build in the dry run as they would
+    have anyway. A kernel that fails to build here is built by its real call, which raises
+    if it must."""
+    threads = min(threads or ENV.BUILD_THREADS.value, os.cpu_count() or 1)
+    if threads < 2:
+        return 0.0
+    began = time.perf_counter()
     try:
         from triton import knobs
     except ImportError:  # no Triton, or one without runtime hooks: nothing to build ahead
-        dry_run()
-        return 0, 0
+        return 0.0
     noted: dict[tuple[str, str], tuple[object, str]] = {}
     before = knobs.runtime.jit_cache_hook
 
@@ -132,10 +138,13 @@ def build_ahead(
             kernel.preload(data)  # type: ignore[attr-defined]
             return True
         except Exception as e:  # noqa: BLE001 - the real call builds it, or raises
-            logger.warning("building a kernel ahead failed (%r); the capture builds it", e)
+            logger.warning("building a kernel ahead failed (%r); its first call builds it", e)
             return False
 
-    workers = max(1, min(threads, len(noted), os.cpu_count() or 1))
-    with ThreadPoolExecutor(workers, initializer=on_thread) as pool:
+    here = torch.cuda.current_device() if device.type == "cuda" else None
+    on_gpu = (lambda: torch.cuda.set_device(here)) if here is not None else None
+    with ThreadPoolExecutor(min(threads, len(noted) or 1), initializer=on_gpu) as pool:
         built = sum(pool.map(lambda kd: build(*kd), noted.values()))
-    return built, len(noted)
+    spent = time.perf_counter() - began
+    logger.info("built %d of %d Triton kernels ahead in %.2fs", built, len(noted), spent)
+    return spent
