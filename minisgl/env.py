@@ -76,6 +76,10 @@ class _Env:
         # all be taken is followed at once by the next one, launched before its tokens are
         # read (speculative/step.py); off: every verify waits for its tokens
         self.SPECULATIVE_AHEAD = EnvVar.read("SPECULATIVE_AHEAD", "on", choices=("on", "off"))
+        # from here the GEMV takes up to 16 rows by default: a verify of up to 15 drafts and
+        # small batches run chapter 20's GEMV or the tensor cores' (kernels/gemv_mma.py)
+        # where the start-up measurement finds them faster (docs/benchmarks.md)
+        self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 16)
         # <<< ch26
         # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused
         # kernels run (triton: 1.07-1.22x faster steps at batch 1-256, docs/benchmarks.md),
