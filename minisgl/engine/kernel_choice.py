@@ -192,7 +192,7 @@ def build_first(runs: list[Callable[[], object]], device: torch.device) -> None:
     threads = min(ENV.BUILD_THREADS.value, len(runs), os.cpu_count() or 1)
     if threads < 2:
         return
-    cuda = device.type == "cuda"
+    began, cuda = time.perf_counter(), device.type == "cuda"
     on_device = torch.cuda.set_device if cuda else lambda _: None  # the engine's GPU, each
     here = torch.cuda.current_device() if cuda else 0  # (`device` may not name its index)
     with ThreadPoolExecutor(threads, initializer=on_device, initargs=(here,)) as pool:
@@ -203,6 +203,10 @@ def build_first(runs: list[Callable[[], object]], device: torch.device) -> None:
                 logger.debug("a candidate's first call failed: %r", e)
     if cuda:
         torch.cuda.synchronize(device)
+    spent = time.perf_counter() - began
+    logger.info(
+        "kernel choice: %d candidates' first calls in %.2fs, %d threads", len(runs), spent, threads
+    )
 
 
 def measured(
