@@ -27,6 +27,7 @@ and software (kernel_cache.py): the next start reads them and compiles only the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import statistics
@@ -83,9 +84,17 @@ def choose_kernels(
     engine: Probe, plan: GraphPlan, kernels: KernelPlan, timer: Timer | None = None
 ) -> None:
     """Measure, choose and log; the choices go into `kernels`, the plan installed next."""
-    start = time.perf_counter()
+    start, timed = time.perf_counter(), [0, 0.0]  # runs timed, seconds spent timing them
     cache = TimesCache.for_device(engine.device) if timer is None else TimesCache()
-    table = choose_gemv(engine, kernels, timer or time_in_graph, cache)
+    base = timer or time_in_graph
+
+    def timing(label: str, run: Callable[[], object]) -> float:
+        began = time.perf_counter()
+        seconds = base(label, run)
+        timed[0], timed[1] = timed[0] + 1, timed[1] + time.perf_counter() - began
+        return seconds
+
+    table = choose_gemv(engine, kernels, timing, cache)
     if table is not None:
         logger.info("GEMV or the matmul library, by measurement (us per call):\n%s", table.report)
         if cache.path is not None:
@@ -99,7 +108,8 @@ def choose_kernels(
         choose_moe_path(engine.model, plan.max_tokens, engine.max_prefill_length, timer)
     # <<< ch22
     if engine.device.type == "cuda":
-        logger.info("kernel choice took %.2fs", time.perf_counter() - start)
+        spent = time.perf_counter() - start
+        logger.info("kernel choice took %.2fs (%d runs timed in %.2fs)", spent, *timed)
 
 
 def choose_gemv(
@@ -298,11 +308,13 @@ def gemv_label(blocks: Blocks) -> str:
 
 
 def time_in_graph(label: str, run: Callable[[], object], reps: int = 5) -> float:
-    """Seconds per `run()`, replayed from a CUDA graph: the median of `reps` replays."""
+    """Seconds per `run()`, replayed from a CUDA graph: the median of `reps` replays. Every
+    such graph records into one memory pool: each is gone before the next is captured, so
+    the next reuses its memory instead of allocating a pool of its own."""
     run()  # compiles, and keeps lazy set-up out of the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=_timing_pool()):
         run()
     graph.replay()
     times = []
@@ -314,6 +326,11 @@ def time_in_graph(label: str, run: Callable[[], object], reps: int = 5) -> float
         end.synchronize()
         times.append(begin.elapsed_time(end) / 1e3)
     return statistics.median(times)
+
+
+@functools.cache
+def _timing_pool() -> tuple[int, int]:
+    return torch.cuda.graph_pool_handle()
 
 
 def _enough(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
