@@ -27,7 +27,6 @@ and software (kernel_cache.py): the next start reads them and compiles only the 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import statistics
@@ -308,13 +307,11 @@ def gemv_label(blocks: Blocks) -> str:
 
 
 def time_in_graph(label: str, run: Callable[[], object], reps: int = 5) -> float:
-    """Seconds per `run()`, replayed from a CUDA graph: the median of `reps` replays. Every
-    such graph records into one memory pool: each is gone before the next is captured, so
-    the next reuses its memory instead of allocating a pool of its own."""
+    """Seconds per `run()`, replayed from a CUDA graph: the median of `reps` replays."""
     run()  # compiles, and keeps lazy set-up out of the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=_timing_pool()):
+    with torch.cuda.graph(graph):
         run()
     graph.replay()
     times = []
@@ -326,11 +323,6 @@ def time_in_graph(label: str, run: Callable[[], object], reps: int = 5) -> float
         end.synchronize()
         times.append(begin.elapsed_time(end) / 1e3)
     return statistics.median(times)
-
-
-@functools.cache
-def _timing_pool() -> tuple[int, int]:
-    return torch.cuda.graph_pool_handle()
 
 
 def _enough(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
