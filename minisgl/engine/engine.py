@@ -13,6 +13,7 @@ this file runs the forward over the pools; the sampler (sampler.py) turns logits
 from __future__ import annotations
 
 import logging
+import time  # [ch20]
 
 import torch
 
@@ -93,7 +94,9 @@ class Engine:
         # ---- the sampler
         self.sampler = Sampler(mc.vocab_size, self.token_pool)
         if self.device.type == "cuda":  # [ch20]
+            clock.last = time.perf_counter()  # [ch20]
             warm_up_sampling(mc.vocab_size, self.device)  # [ch20]
+            clock.lap("sampling kernels")  # [ch20]
         self.jit.mark_ready()  # [ch20]
         logger.info("Triton at start-up: %s", self.jit.summary(self.jit.builds))  # [ch20]
         logger.info(

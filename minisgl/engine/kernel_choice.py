@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minisgl.engine.jit_log import build_ahead
 from minisgl.engine.kernel_cache import TimesCache
 from minisgl.env import ENV
 from minisgl.layers.activation import silu_and_mul
@@ -125,6 +126,8 @@ def choose_gemv(
     from minisgl.kernels.gemv import MAX_ROWS  # imports triton: only where the GEMV may run
 
     rows = [r for r in GEMV_ROWS if r <= min(gemv.max_rows, MAX_ROWS)]
+    if engine.device.type == "cuda":  # the eager forward's own kernels, built in threads first
+        build_ahead(engine.forward_dummy, engine.device)
     calls = record_projections(engine, kernels)
     names = {  # a tied LM head is named for the module that uses it last, the head
         id(p): name for name, m in engine.model.named_modules() for p in m.parameters(False)

@@ -83,13 +83,22 @@ def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
 # >>> ch20 the kernel built at start-up, not inside the first request that samples
 def warm_up_sampling(vocab_size: int, device: torch.device) -> None:
     """Builds the sampling kernel for a GPU's logits, without and with a top-k threshold,
-    and the greedy argmax's."""
+    and the greedy argmax's: noted in a dry run and built at once in threads (jit_log.py),
+    then each run once."""
+    from minisgl.engine.jit_log import build_ahead
+
     logits = torch.zeros(1, vocab_size, device=device)
     ones = torch.ones(1, dtype=torch.int64, device=device)
-    for top_k in (None, ones):
-        args = BatchSamplingArgs(False, logits[:, :1] + 1, ones == 0, top_k, None, ones, ones, 1)
-        sample(logits, args)
-    argmax(logits)
+
+    def calls() -> None:
+        for top_k in (None, ones):
+            temperatures, greedy = logits[:, :1] + 1, ones == 0
+            args = BatchSamplingArgs(False, temperatures, greedy, top_k, None, ones, ones, 1)
+            sample(logits, args)
+        argmax(logits)
+
+    build_ahead(calls, device)
+    calls()
 
 
 # <<< ch20
