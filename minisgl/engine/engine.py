@@ -23,12 +23,11 @@ from minisgl.core import Batch, Context, set_global_ctx
 from minisgl.distributed import destroy_distributed  # [ch21]
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphPlan, GraphRunner  # [ch18]
-from minisgl.engine.jit_log import jit_log  # [ch20]
+from minisgl.engine.jit_log import jit_log, sampling_calls, warm_up  # [ch20]
 from minisgl.engine.kernels import install_kernels  # [ch19]
 from minisgl.engine.logprobs import plan_prompt_logprobs, split_prompt_logits  # [ch25]
 from minisgl.engine.prefill_graph import plan_prefill_graphs  # [ch23]
 from minisgl.engine.ranks import agree_on_limits  # [ch21]
-from minisgl.engine.sample import warm_up_sampling  # [ch20]
 from minisgl.engine.sampler import ForwardOutput, Sampler, StepLogits
 from minisgl.engine.startup import (
     Clock,
@@ -86,16 +85,19 @@ class Engine:
         # the kernels each layer runs: chosen once (measured), installed on the layers  # [ch19]
         self.kernels = install_kernels(shape, model, backend, plan, self.forward_dummy)  # [ch19]
         clock.lap("kernel choice")  # [ch20]
+        cuda = self.device.type == "cuda"  # [ch20]
+        sampling = sampling_calls(mc.vocab_size, self.device) if cuda else None  # [ch20]
         self.graph_runner = GraphRunner(
-            self.model, self.attn_backend, plan, mc.vocab_size, self.device
-        )
+            self.model, self.attn_backend, plan, mc.vocab_size, self.device,
+            sampling,  # [ch20]
+        )  # fmt: skip
         clock.phases.update(self.graph_runner.capture_seconds)
         # <<< ch18
         # ---- the sampler
         self.sampler = Sampler(mc.vocab_size, self.token_pool)
-        if self.device.type == "cuda":  # [ch20]
+        if sampling is not None:  # [ch20]
             clock.last = time.perf_counter()  # [ch20]
-            warm_up_sampling(mc.vocab_size, self.device)  # [ch20]
+            warm_up(sampling, self.device)  # [ch20]
             clock.lap("sampling kernels")  # [ch20]
         self.jit.mark_ready()  # [ch20]
         logger.info("Triton at start-up: %s", self.jit.summary(self.jit.builds))  # [ch20]

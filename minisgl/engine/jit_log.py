@@ -148,3 +148,28 @@ def build_ahead(dry_run: Callable[[], None], device: torch.device, threads: int 
     spent = time.perf_counter() - began
     logger.info("built %d of %d Triton kernels ahead in %.2fs", built, len(noted), spent)
     return spent
+
+
+def sampling_calls(vocab_size: int, device: torch.device) -> Callable[[], None]:
+    """Calls that build the sampler's kernels for a GPU's logits at start-up rather than in
+    the first request that samples: drawn, without and with a top-k threshold, and greedy."""
+    from minisgl.engine.sample import BatchSamplingArgs, argmax, sample
+
+    logits = torch.zeros(1, vocab_size, device=device)
+    ones = torch.ones(1, dtype=torch.int64, device=device)
+
+    def calls() -> None:
+        for top_k in (None, ones):
+            temperatures, greedy = logits[:, :1] + 1, ones == 0
+            args = BatchSamplingArgs(False, temperatures, greedy, top_k, None, ones, ones, 1)
+            sample(logits, args)
+        argmax(logits)
+
+    return calls
+
+
+def warm_up(calls: Callable[[], None], device: torch.device) -> None:
+    """Run `calls` once, the kernels they would build built first in threads (none where the
+    graphs' dry run already built them)."""
+    build_ahead(calls, device)
+    calls()

@@ -80,28 +80,6 @@ def sample(logits: torch.Tensor, args: BatchSamplingArgs) -> torch.Tensor:
     return torch.where(args.is_greedy, argmax(logits), sampled).to(torch.int32)
 
 
-# >>> ch20 the kernel built at start-up, not inside the first request that samples
-def warm_up_sampling(vocab_size: int, device: torch.device) -> None:
-    """Builds the sampling kernel for a GPU's logits, without and with a top-k threshold,
-    and the greedy argmax's: noted in a dry run and built at once in threads (jit_log.py),
-    then each run once."""
-    from minisgl.engine.jit_log import build_ahead
-
-    logits = torch.zeros(1, vocab_size, device=device)
-    ones = torch.ones(1, dtype=torch.int64, device=device)
-
-    def calls() -> None:
-        for top_k in (None, ones):
-            temperatures, greedy = logits[:, :1] + 1, ones == 0
-            args = BatchSamplingArgs(False, temperatures, greedy, top_k, None, ones, ones, 1)
-            sample(logits, args)
-        argmax(logits)
-
-    build_ahead(calls, device)
-    calls()
-
-
-# <<< ch20
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The first index of each row's maximum: [bs, vocab] -> [bs] int64."""
     # >>> ch20 on a GPU, our two-pass kernel: torch's reads a whole row with one SM
