@@ -68,8 +68,8 @@ class _Env:
         self.CACHE_DIR = EnvVar.read("CACHE_DIR", os.path.join(cache_home, "minisgl"))
         # threads that build the kernel choice's candidates at once (1: one after another)
         self.BUILD_THREADS = EnvVar.read("BUILD_THREADS", 16)
-        # build the graphs' Triton kernels in those threads before the capture (0: the
-        # capture builds each as it meets it)
+        # build the Triton kernels start-up's forwards and sampler meet in those threads,
+        # from a dry run first (0: each call builds its kernels as it meets them)
         self.BUILD_AHEAD = EnvVar.read("BUILD_AHEAD", True)
         # <<< ch20
         # >>> ch26 a verify launched ahead: with overlap scheduling, a verify whose drafts may

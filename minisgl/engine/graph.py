@@ -32,7 +32,6 @@ import torch
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, get_global_ctx
 from minisgl.engine.jit_log import build_ahead  # [ch20]
-from minisgl.env import ENV  # [ch20]
 from minisgl.models.base import BaseLLMModel
 
 if TYPE_CHECKING:
@@ -319,7 +318,7 @@ class GraphRunner:
 
     # >>> ch20
     def _builds_ahead(self) -> bool:
-        return self.stream is not None and ENV.BUILD_AHEAD.value
+        return self.stream is not None
 
     def _build_ahead(self, model: BaseLLMModel, todo: list[tuple[GraphKind, GraphShape]]) -> None:
         """Build the Triton kernels the capture will need in threads first (jit_log.py): on

@@ -9,9 +9,10 @@ after the mark is a shape start-up did not warm, and `after_ready()` names it. U
 Triton's runtime hooks (triton.knobs, Triton 3.4 and later); without them the log is
 empty.
 
-The same hooks let start-up build the graphs' kernels in threads (`build_ahead`): a dry run
-of the forwards the capture will make, in which a kernel not built yet is only noted (neither
-built nor launched), then every noted kernel built at once, several threads at a time.
+The same hooks let start-up build its kernels in threads (`build_ahead`): a dry run of the
+calls about to be made (the kernel choice's first forward, the graphs' forwards, the
+sampler's warm-up), in which a kernel not built yet is only noted (neither built nor
+launched), then every noted kernel built at once, several threads at a time.
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def jit_log() -> JitLog:
 
 def build_ahead(dry_run: Callable[[], None], device: torch.device, threads: int = 0) -> float:
     """Build the Triton kernels `dry_run` would build, several threads at a time (`threads`,
-    default MINISGL_BUILD_THREADS; fewer than two: nothing is run or built here); returns
-    the seconds it took.
+    default MINISGL_BUILD_THREADS; fewer than two, or MINISGL_BUILD_AHEAD=0: nothing is run
+    or built here, and the real calls build their kernels one after another); returns the
+    seconds it took.
 
     `dry_run` makes the calls that are about to be made for real (the graph capture's
     forwards). While it runs, the first launch of one of minisgl's kernels in a shape not
@@ -111,7 +113,7 @@ def build_ahead(dry_run: Callable[[], None], device: torch.device, threads: int 
     have anyway. A kernel that fails to build here is built by its real call, which raises
     if it must."""
     threads = min(threads or ENV.BUILD_THREADS.value, os.cpu_count() or 1)
-    if threads < 2:
+    if threads < 2 or not ENV.BUILD_AHEAD.value:
         return 0.0
     began = time.perf_counter()
     try:

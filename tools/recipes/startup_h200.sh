@@ -48,9 +48,9 @@ done
 $PY -X importtime -c "import minisgl.scheduler.io" 2>&1 | sort -t'|' -k2 -n | tail -15
 # With BUILD_AB=1 (or THREADS_AB=1): more fresh starts, each from empty caches of its own
 # (Triton's and the kernel choice's), alternating three ways to build the start-up's Triton
-# kernels, twice each: one after another (MINISGL_BUILD_THREADS=1); the kernel choice's in
-# threads and the graphs' as the capture meets them (MINISGL_BUILD_AHEAD=0); both in threads,
-# the graphs' from a dry run of the capture (the defaults).
+# kernels, twice each: one after another (MINISGL_BUILD_THREADS=1); the kernel choice's
+# candidates in threads and every other kernel as a call meets it (MINISGL_BUILD_AHEAD=0);
+# those too in threads, noted in dry runs of the calls (the defaults).
 if [ "${BUILD_AB:-${THREADS_AB:-0}}" = 1 ]; then
     for i in 1 2; do
         for knobs in MINISGL_BUILD_THREADS=1 MINISGL_BUILD_AHEAD=0 MINISGL_BUILD_AHEAD=1; do
