@@ -1,7 +1,6 @@
 """The engine's log of Triton kernel builds: its hooks are Triton's, chained, and it tells
 builds at start-up from builds after the engine is ready."""
 
-import os
 import threading
 from types import SimpleNamespace
 
@@ -93,13 +92,6 @@ def test_graphs_captured_after_a_dry_run_of_every_shape_replay_as_eager(monkeypa
     from minisgl.llm import LLM
 
     monkeypatch.setattr(GraphRunner, "_builds_ahead", lambda self: True)  # a CPU's graphs too
-    also, init = [], GraphRunner.__init__
-
-    def with_more_calls(self, model, backend, plan, vocab_size, device, also_ahead=None):
-        assert also_ahead is None  # a GPU's sampler calls; none on a CPU
-        init(self, model, backend, plan, vocab_size, device, lambda: also.append(len(also)))
-
-    monkeypatch.setattr(GraphRunner, "__init__", with_more_calls)
     kw = dict(dtype=torch.float32, device="cpu", num_page_override=256, max_seq_len_override=64)
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
@@ -108,8 +100,6 @@ def test_graphs_captured_after_a_dry_run_of_every_shape_replay_as_eager(monkeypa
         llm = LLM(str(need(SMOL)), cuda_graph_max_bs=bs, **kw)
         if bs:
             assert "kernels built ahead" in llm.engine.graph_runner.capture_seconds
-            # the calls it was given, once, in the dry run (none runs on a machine of one core)
-            assert also == ([0] if (os.cpu_count() or 1) > 1 else [])
         outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.shutdown()
     assert outs[0] == outs[1]

@@ -85,19 +85,16 @@ class Engine:
         # the kernels each layer runs: chosen once (measured), installed on the layers  # [ch19]
         self.kernels = install_kernels(shape, model, backend, plan, self.forward_dummy)  # [ch19]
         clock.lap("kernel choice")  # [ch20]
-        cuda = self.device.type == "cuda"  # [ch20]
-        sampling = sampling_calls(mc.vocab_size, self.device) if cuda else None  # [ch20]
         self.graph_runner = GraphRunner(
-            self.model, self.attn_backend, plan, mc.vocab_size, self.device,
-            sampling,  # [ch20]
-        )  # fmt: skip
+            self.model, self.attn_backend, plan, mc.vocab_size, self.device
+        )
         clock.phases.update(self.graph_runner.capture_seconds)
         # <<< ch18
         # ---- the sampler
         self.sampler = Sampler(mc.vocab_size, self.token_pool)
-        if sampling is not None:  # [ch20]
+        if self.device.type == "cuda":  # [ch20]
             clock.last = time.perf_counter()  # [ch20]
-            warm_up(sampling, self.device)  # [ch20]
+            warm_up(sampling_calls(mc.vocab_size, self.device), self.device)  # [ch20]
             clock.lap("sampling kernels")  # [ch20]
         self.jit.mark_ready()  # [ch20]
         logger.info("Triton at start-up: %s", self.jit.summary(self.jit.builds))  # [ch20]

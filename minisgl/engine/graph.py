@@ -246,10 +246,8 @@ class GraphRunner:
         plan: GraphPlan,
         vocab_size: int,
         device: torch.device,
-        also_ahead: Callable[[], None] | None = None,  # more calls to build ahead  # [ch20]
     ) -> None:
         self.attn_backend, self.device = attn_backend, device
-        self.also_ahead = also_ahead  # [ch20]
         self.kinds = {kind.phase: kind for kind in plan.kinds}
         self.stream = torch.cuda.Stream(device) if not plan.emulated else None
         self.capture_seconds: dict[str, float] = {}  # "decode graphs (19)" -> seconds
@@ -331,8 +329,6 @@ class GraphRunner:
                 batch, forward = self._prepare(model, kind, shape)
                 with ctx.forward_batch(batch):
                     forward()
-            if self.also_ahead is not None:  # the sampler's, say: built in the same pool
-                self.also_ahead()
             _synchronize(self.device)
 
         self.capture_seconds["kernels built ahead"] = build_ahead(dry_run, self.device)

@@ -171,7 +171,6 @@ def sampling_calls(vocab_size: int, device: torch.device) -> Callable[[], None]:
 
 
 def warm_up(calls: Callable[[], None], device: torch.device) -> None:
-    """Run `calls` once, the kernels they would build built first in threads (none where the
-    graphs' dry run already built them)."""
+    """Run `calls` once, the kernels they would build built first in threads."""
     build_ahead(calls, device)
     calls()
