@@ -148,4 +148,5 @@ def use_fi(engine, graph_bs: list[int]) -> FlashInferBackend:
     decode = GraphKind([GraphShape(bs, bs) for bs in graph_bs], engine.dummy_req)
     plan = GraphPlan([decode], engine.max_seq_len, emulated=True)
     engine.graph_runner = GraphRunner(engine.model, fi, plan, mc.vocab_size, CPU)
+    engine.graph_runner.capture()
     return fi

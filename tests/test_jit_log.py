@@ -34,12 +34,14 @@ class _Kernel:
     """Stands in for a JITFunction: `preload` builds from what Triton recorded."""
 
     def __init__(self, fail: bool = False) -> None:
-        self.fail, self.built = fail, []
+        self.fail, self.built, self.loaded = fail, [], []
 
-    def preload(self, data: str) -> None:
+    def preload(self, data: str) -> SimpleNamespace:
         if self.fail:
             raise RuntimeError("no")
         self.built.append((threading.current_thread().name, data))
+        load = lambda: self.loaded.append(threading.current_thread().name)  # noqa: E731
+        return SimpleNamespace(_init_handles=load)  # Triton's compiled kernel
 
 
 def test_build_ahead_skips_our_unbuilt_kernels_then_builds_each_once_in_threads(caplog):
@@ -65,6 +67,7 @@ def test_build_ahead_skips_our_unbuilt_kernels_then_builds_each_once_in_threads(
     assert sorted(d for _, d in gemv.built) == ["_gemv_kernel a", "_gemv_kernel b"]
     main = threading.current_thread().name
     assert all(t != main for t, _ in gemv.built)  # in the pool's threads
+    assert len(gemv.loaded) == 2 and main not in gemv.loaded  # loaded there too
     assert "built 2 of 3 Triton kernels ahead" in caplog.text  # a failed build is only logged
     assert knobs.runtime.jit_cache_hook is before
 
@@ -103,3 +106,29 @@ def test_graphs_captured_after_a_dry_run_of_every_shape_replay_as_eager(monkeypa
         outs.append([o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)])
         llm.shutdown()
     assert outs[0] == outs[1]
+
+
+def test_the_next_dry_run_makes_the_coming_calls_first_and_forgets_them():
+    """Start-up's later calls (the graphs' forwards, the sampler's) wait in the log's `coming`:
+    the next dry run makes them first and once, and their kernels build in its one pool."""
+    log, kernel, order = jit_log(), _Kernel(), []
+    fn = SimpleNamespace(module="minisgl.kernels.x", name="_x_kernel", jit_function=kernel)
+
+    def launches(key: str):
+        def call() -> None:
+            order.append(key)
+            spec = {"specialization_data": key}
+            knobs.runtime.jit_cache_hook(key=key, fn=fn, repr="", compile=spec)
+
+        return call
+
+    graphs, sampler, choice = launches("graphs"), launches("sampler"), launches("choice")
+    log.coming = [graphs, sampler, choice]  # the dry run's own calls among them: made once
+    build_ahead(choice, torch.device("cpu"), threads=2)
+    assert order == ["graphs", "sampler", "choice"] and log.coming == []
+    assert sorted(d for _, d in kernel.built) == ["choice", "graphs", "sampler"]
+    build_ahead(choice, torch.device("cpu"), threads=2)  # forgotten: not made again
+    assert order[3:] == ["choice"]
+    log.coming = [graphs]
+    log.mark_ready()  # start-up is over: what no dry run made is dropped
+    assert log.coming == []

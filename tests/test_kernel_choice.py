@@ -230,3 +230,66 @@ def test_first_calls_overlap_and_a_failure_is_left_to_the_timing() -> None:
     finally:
         ENV.BUILD_THREADS.value = kept
     assert not {"f", "g"} & set(calls)
+
+
+@pytest.mark.skipif(not INTERPRETED or torch.cuda.is_available(), reason="a CPU test")
+def test_on_the_gpu_one_dry_run_meets_the_forward_and_every_candidate(monkeypatch) -> None:
+    """On a GPU the choice makes its calls once with Triton's builds held back (build_ahead):
+    the eager forward, the recorded one, each GEMV candidate's first call; then the same
+    candidates are launched (built, if the pool could not) and timed: the table is the one
+    a choice without the dry run makes."""
+    from minisgl.engine import kernel_choice
+    from minisgl.engine.kernel_choice import Probe
+    from minisgl.kernels.gemv import gemv
+    from minisgl.layers import kernel_plan
+    from minisgl.layers.kernel_plan import KernelPlan
+
+    llm = LLM(str(need(TINY["llama"])), device="cpu", max_running_req=1,
+              num_page_override=64, max_seq_len_override=32)  # fmt: skip
+    engine = llm.engine
+    monkeypatch.setattr(ENV.GEMV, "value", "auto")
+    monkeypatch.setattr(ENV.GEMV_MAX_ROWS, "value", 2)
+    monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: gemv)  # on the CPU too
+    monkeypatch.setattr(kernel_choice, "_enough", lambda weights, device: weights[:1])
+    made, forwards, dry = [], [], []  # candidates' first calls; forwards; (is in a dry run)
+    candidates = kernel_choice.candidates
+
+    def noted(*args):  # each GEMV candidate's run, recorded instead of run
+        def first_call() -> None:
+            made.append((first_call, bool(dry)))
+
+        runs = candidates(*args)
+        return {c: (b, run if b is None else first_call) for c, (b, run) in runs.items()}
+
+    def dry_run_of(calls, device):
+        dry.append(1)
+        try:
+            calls()
+        finally:
+            dry.clear()
+        return 0.0
+
+    monkeypatch.setattr(kernel_choice, "candidates", noted)
+    monkeypatch.setattr(kernel_choice, "build_ahead", dry_run_of)
+    launched = []
+    monkeypatch.setattr(kernel_choice, "build_first", lambda runs, d: launched.extend(runs))
+
+    def forward_dummy():
+        forwards.append(bool(dry))
+        return engine.forward_dummy()
+
+    timer = lambda what, run: 0.5 if "rows 1" in what and "gemv" in what else 1.0  # noqa: E731
+    reports = []
+    for device in (torch.device("cpu"), CUDA):
+        probe = Probe(engine.model, device, engine.dtype, 64, forward_dummy)
+        kernels = KernelPlan.at_start(engine.device, engine.dtype, engine.attn_backend)
+        kernels.install(engine.model)  # the library's (the GEMV interpreted is slow)
+        reports.append(choose_gemv(probe, kernels, timer).report)
+        if device.type == "cpu":
+            assert forwards == [False] and not made  # no dry run on a CPU
+            forwards.clear()
+    assert reports[0] == reports[1] and "-> gemv" in reports[1] and "-> library" in reports[1]
+    assert forwards == [True, True]  # the eager forward, then the recorded one, in the dry run
+    assert made and all(in_dry for _, in_dry in made)  # every candidate once, in the dry run
+    assert [run for run, _ in made] == launched  # and the same ones launched after it
+    llm.shutdown()

@@ -245,4 +245,5 @@ def test_fa_adapter_plumbing_equals_torch_backend(fake_flash_attn) -> None:
     decode = GraphKind([GraphShape(bs, bs) for bs in (1, 2, 4)], engine.dummy_req)
     plan = GraphPlan([decode], engine.max_seq_len, emulated=True)
     engine.graph_runner = GraphRunner(engine.model, fa, plan, mc.vocab_size, CPU)
+    engine.graph_runner.capture()
     assert Driver(engine).generate(prompts, params) == want  # decode steps replay graphs

@@ -82,19 +82,20 @@ class Engine:
         plan = GraphPlan.of(shape, model, backend, self.dummy_req)
         plan.kinds += plan_prefill_graphs(shape, plan, backend)  # [ch23]
         plan.kinds += plan_verify_graphs(shape, plan, backend)  # [ch26]
+        self.graph_runner = runner = GraphRunner(model, backend, plan, mc.vocab_size, self.device)
+        sampling = sampling_calls(mc.vocab_size, self.device)  # [ch20]
+        self.jit.coming = [runner.dry_run, sampling]  # built with the first kernels  # [ch20]
         # the kernels each layer runs: chosen once (measured), installed on the layers  # [ch19]
         self.kernels = install_kernels(shape, model, backend, plan, self.forward_dummy)  # [ch19]
         clock.lap("kernel choice")  # [ch20]
-        self.graph_runner = GraphRunner(
-            self.model, self.attn_backend, plan, mc.vocab_size, self.device
-        )
-        clock.phases.update(self.graph_runner.capture_seconds)
+        runner.capture()
+        clock.phases.update(runner.capture_seconds)
         # <<< ch18
         # ---- the sampler
         self.sampler = Sampler(mc.vocab_size, self.token_pool)
         if self.device.type == "cuda":  # [ch20]
             clock.last = time.perf_counter()  # [ch20]
-            warm_up(sampling_calls(mc.vocab_size, self.device), self.device)  # [ch20]
+            warm_up(sampling, self.device)  # [ch20]
             clock.lap("sampling kernels")  # [ch20]
         self.jit.mark_ready()  # [ch20]
         logger.info("Triton at start-up: %s", self.jit.summary(self.jit.builds))  # [ch20]

@@ -247,39 +247,44 @@ class GraphRunner:
         vocab_size: int,
         device: torch.device,
     ) -> None:
-        self.attn_backend, self.device = attn_backend, device
+        """The shapes to capture and the buffers they read and write; `capture` records them
+        (once the layers' kernels are installed)."""
+        self.model, self.attn_backend, self.device = model, attn_backend, device
         self.kinds = {kind.phase: kind for kind in plan.kinds}
         self.stream = torch.cuda.Stream(device) if not plan.emulated else None
         self.capture_seconds: dict[str, float] = {}  # "decode graphs (19)" -> seconds
-        if any(kind.shapes for kind in plan.kinds):
-            self._capture_graphs(model, plan, vocab_size)
+        # Largest first: every later graph reuses the memory pool of the first.
+        self.todo = [(kind, s) for kind in plan.kinds for s in kind.shapes]
+        self.todo.sort(key=lambda ks: (ks[1].tokens, ks[1].slots), reverse=True)
+        if not self.todo:
+            return
+        slots = sorted({n for kind in plan.kinds for n in kind.attention_slots})
+        if slots:
+            self.attn_backend.init_capture_graph(plan.max_seq_len, slots)
+        rows = max(kind.logit_rows(s) for kind, s in self.todo)
+        tokens = max(s.tokens for _, s in self.todo)
+        self.buffer = GraphCaptureBuffer.init(tokens, rows, vocab_size, self.device)
+        if (states := get_global_ctx().state_pool) is not None:  # [ch31]
+            n, buf = max(s.slots for _, s in self.todo), self.buffer  # [ch31]
+            buf.state_slots, buf.state_offsets = states.graph_buffers(n, plan.dummy_req)  # [ch31]
 
     @property
     def graph_map(self) -> dict[int, Graph]:
         """The decode graphs by batch size."""
         return self.graphs("decode")
 
-    def _capture_graphs(self, model: BaseLLMModel, plan: GraphPlan, vocab_size: int) -> None:
+    def capture(self) -> None:
+        """Capture every shape of the plan, each after one eager forward (its warm-up)."""
+        if not self.todo:
+            return
         start, free_before = time.perf_counter(), _free_memory(self.device)
-        # Largest first: every later graph reuses the memory pool of the first.
-        todo = [(kind, s) for kind in plan.kinds for s in kind.shapes]
-        todo.sort(key=lambda ks: (ks[1].tokens, ks[1].slots), reverse=True)
-        slots = sorted({n for kind in plan.kinds for n in kind.attention_slots})
-        if slots:
-            self.attn_backend.init_capture_graph(plan.max_seq_len, slots)
-        rows = max(kind.logit_rows(s) for kind, s in todo)
-        self.buffer = GraphCaptureBuffer.init(
-            max(s.tokens for _, s in todo), rows, vocab_size, self.device
-        )
         pool, ctx = None, get_global_ctx()
-        if (states := ctx.state_pool) is not None:  # [ch31]
-            n, buf = max(s.slots for _, s in todo), self.buffer  # [ch31]
-            buf.state_slots, buf.state_offsets = states.graph_buffers(n, plan.dummy_req)  # [ch31]
         with _gc_frozen(self.stream is not None):
             if self._builds_ahead():  # [ch20]
-                self._build_ahead(model, todo)  # [ch20]
-            for kind, shape in todo:
-                batch, forward = self._prepare(model, kind, shape)
+                ahead = build_ahead(self.dry_run, self.device)  # [ch20]
+                self.capture_seconds["kernels built ahead"] = ahead  # [ch20]
+            for kind, shape in self.todo:
+                batch, forward = self._prepare(kind, shape)
                 began = time.perf_counter()
                 with ctx.forward_batch(batch):
                     forward()  # warm-up: lazy initialisation stays out of the graph
@@ -288,19 +293,17 @@ class GraphRunner:
                 phase = f"{kind.phase} graphs ({len(kind.shapes)})"
                 spent = self.capture_seconds.get(phase, 0.0) + time.perf_counter() - began
                 self.capture_seconds[phase] = spent
-        used = (free_before - _free_memory(self.device)) / 2**20
+        used, kinds = (free_before - _free_memory(self.device)) / 2**20, self.kinds.values()
         logger.info(
             "captured %s (%d) in %.2fs%s: %s",
             "emulated graphs" if self.stream is None else "CUDA graphs",
-            len(todo),
+            len(self.todo),
             time.perf_counter() - start,
             f" ({used:.0f} MiB)" if self.device.type == "cuda" else "",
-            "; ".join(f"{k.phase} {[(s.slots, s.tokens) for s in k.shapes]}" for k in plan.kinds),
+            "; ".join(f"{k.phase} {[(s.slots, s.tokens) for s in k.shapes]}" for k in kinds),
         )
 
-    def _prepare(
-        self, model: BaseLLMModel, kind: GraphKind, shape: GraphShape
-    ) -> tuple[Batch, Callable[[], None]]:
+    def _prepare(self, kind: GraphKind, shape: GraphShape) -> tuple[Batch, Callable[[], None]]:
         """The batch a graph of `shape` is captured with, its inputs in the buffer, and the
         forward to capture."""
         batch = kind.capture_batch(shape, self.attn_backend)
@@ -308,7 +311,7 @@ class GraphRunner:
         batch.logits_out = logits = self.buffer.logits[: kind.logit_rows(shape)]
 
         def forward() -> None:
-            out = model.forward()  # the LM head's cast writes into the buffer...
+            out = self.model.forward()  # the LM head's cast writes into the buffer...
             if out.data_ptr() != logits.data_ptr():  # ...unless a model's head goes on
                 logits.copy_(out)
 
@@ -318,20 +321,16 @@ class GraphRunner:
     def _builds_ahead(self) -> bool:
         return self.stream is not None
 
-    def _build_ahead(self, model: BaseLLMModel, todo: list[tuple[GraphKind, GraphShape]]) -> None:
-        """Build the Triton kernels the capture will need in threads first (jit_log.py): on
-        a fresh machine each takes about a second, and the capture would build them one
-        after another as its forwards meet them."""
+    def dry_run(self) -> None:
+        """Every graph's forward once, eagerly: the calls whose Triton kernels `build_ahead`
+        (jit_log.py) builds in threads first. On a fresh machine each takes about a second,
+        and the capture would build them one after another as its forwards met them."""
         ctx = get_global_ctx()
-
-        def dry_run() -> None:
-            for kind, shape in todo:
-                batch, forward = self._prepare(model, kind, shape)
-                with ctx.forward_batch(batch):
-                    forward()
-            _synchronize(self.device)
-
-        self.capture_seconds["kernels built ahead"] = build_ahead(dry_run, self.device)
+        for kind, shape in self.todo:
+            batch, forward = self._prepare(kind, shape)
+            with ctx.forward_batch(batch):
+                forward()
+        _synchronize(self.device)
 
     # <<< ch20
     def graphs(self, phase: str) -> dict[Any, Graph]:

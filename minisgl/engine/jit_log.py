@@ -10,9 +10,11 @@ Triton's runtime hooks (triton.knobs, Triton 3.4 and later); without them the lo
 empty.
 
 The same hooks let start-up build its kernels in threads (`build_ahead`): a dry run of the
-calls about to be made (the kernel choice's first forward, the graphs' forwards, the
-sampler's warm-up), in which a kernel not built yet is only noted (neither built nor
-launched), then every noted kernel built at once, several threads at a time.
+calls about to be made (the kernel choice's first forward and its candidates, the graphs'
+forwards, the sampler's warm-up), in which a kernel not built yet is only noted (neither
+built nor launched), then every noted kernel built at once, several threads at a time. The
+kernel choice's dry run makes all of them, so one pool builds nearly every kernel start-up
+needs; the graphs' and the sampler's own dry runs later find what the choice changed.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ logger = logging.getLogger(__name__)
 class JitLog:
     builds: list[tuple[str, float, float]] = field(default_factory=list)  # (kernel, at, s)
     ready_at: float | None = None
+    # calls start-up makes later (the graphs' forwards, the sampler's): the next dry run of
+    # `build_ahead` makes them too, so that their kernels build in its pool, all at once
+    coming: list[Callable[[], None]] = field(default_factory=list)
     _began: dict[object, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -51,7 +56,7 @@ class JitLog:
             self.builds.append((fn.name, now, now - began))
 
     def mark_ready(self) -> None:
-        self.ready_at = time.perf_counter()
+        self.ready_at, self.coming = time.perf_counter(), []
 
     def after_ready(self) -> list[tuple[str, float, float]]:
         """The builds since `mark_ready` (all of them if it was never called)."""
@@ -102,10 +107,12 @@ def build_ahead(dry_run: Callable[[], None], device: torch.device, threads: int 
     or built here, and the real calls build their kernels one after another); returns the
     seconds it took.
 
-    `dry_run` makes the calls that are about to be made for real (the graph capture's
-    forwards). While it runs, the first launch of one of minisgl's kernels in a shape not
-    built yet is noted and skipped: not built, not launched, so what it should have written
-    stays garbage, harmless in a run whose results are thrown away. Then each noted kernel is
+    `dry_run` makes the calls that are about to be made for real (the kernel choice's first
+    forward and candidates), after the log's `coming` calls (made, and forgotten, here; the
+    graphs' attention kernels are among the slowest to build, so they start first). While
+    they run, the first launch of one of minisgl's kernels in a shape not built yet is
+    noted and skipped: not built, not launched, so what it should have written stays
+    garbage, harmless in a run whose results are thrown away. Then each noted kernel is
     built from what Triton recorded of it (its `preload`) in a pool of threads on the
     engine's GPU: most of a build is LLVM and ptxas, outside Python's lock, so the builds
     overlap, and the real calls find them built. Other libraries' kernels are left alone (an
@@ -129,15 +136,21 @@ def build_ahead(dry_run: Callable[[], None], device: torch.device, threads: int 
             return True  # True: Triton neither builds nor launches it
         return before(key=key, fn=fn, compile=compile, **kw) if before else None
 
+    log = jit_log()
+    calls, log.coming = [*(c for c in log.coming if c != dry_run), dry_run], []
     knobs.runtime.jit_cache_hook = note
     try:
-        dry_run()
+        for call in calls:
+            call()
     finally:
         knobs.runtime.jit_cache_hook = before
 
     def build(kernel: object, data: str) -> bool:
         try:
-            kernel.preload(data)  # type: ignore[attr-defined]
+            built = kernel.preload(data)  # type: ignore[attr-defined]
+            # and what its first launch would do next, one at a time: load it onto the GPU
+            # and make its launcher (a C build, in the Tritons that make one per signature)
+            getattr(built, "_init_handles", lambda: None)()
             return True
         except Exception as e:  # noqa: BLE001 - the real call builds it, or raises
             logger.warning("building a kernel ahead failed (%r); its first call builds it", e)

@@ -126,8 +126,39 @@ def choose_gemv(
     from minisgl.kernels.gemv import MAX_ROWS  # imports triton: only where the GEMV may run
 
     rows = [r for r in GEMV_ROWS if r <= min(gemv.max_rows, MAX_ROWS)]
-    if engine.device.type == "cuda":  # the eager forward's own kernels, built in threads first
-        build_ahead(engine.forward_dummy, engine.device)
+    planned: list[tuple[list[ProjectionCall], list[Job]]] = []
+    if engine.device.type == "cuda":  # every kernel start-up needs, built at once in threads
+
+        def dry_run() -> None:  # (jit_log.py: no kernel of ours is built or launched in it)
+            engine.forward_dummy()
+            planned.append(plan_jobs(engine, kernels, rows))
+            for run in first_calls(planned[0][1], cache):
+                run()
+
+        build_ahead(dry_run, engine.device)
+    calls, jobs = planned[0] if planned else plan_jobs(engine, kernels, rows)
+    if engine.device.type == "cuda":  # (the interpreter of a CPU's tests is not threadsafe)
+        build_first(first_calls(jobs, cache), engine.device)  # launched: built where not yet
+    table, lines = GemvTable(), []  # each job's winner is kept in the table
+    for job in jobs:
+        times = measured(cache, job.shape, job.what, job.runs, job.count, timer)
+        label = pick(times)
+        for i, km in enumerate(job.keys):  # the first is set, the others where not yet
+            if i == 0 or km not in table.blocks:
+                table.blocks[km] = job.runs[label][0]
+        lines.append(f"  {job.what}: {_show(times)} -> {label}")
+    gemv.feeds = {id(c.norm_weight): c.key for c in calls if c.norm_weight is not None}
+    table.report = "\n".join(lines)
+    gemv.table = table
+    kernels.install(engine.model)
+    return table
+
+
+def plan_jobs(
+    engine: Probe, kernels: KernelPlan, rows: list[int]
+) -> tuple[list[ProjectionCall], list[Job]]:
+    """The projections of one decode forward (`record_projections`), and for each distinct
+    one and row count, the candidates to time."""
     calls = record_projections(engine, kernels)
     names = {  # a tied LM head is named for the module that uses it last, the head
         id(p): name for name, m in engine.model.named_modules() for p in m.parameters(False)
@@ -136,7 +167,8 @@ def choose_gemv(
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for p in engine.model.parameters():
         by_shape.setdefault((p.shape, p.dtype), []).append(p)
-    table, jobs = GemvTable(), []  # what is measured, in order; then each choice is kept
+    gemv, jobs = kernels.gemv, []  # what is measured, in order
+    assert gemv is not None
     for key, call in {c.key: c for c in calls}.items():
         weights = _enough(by_shape[call.weight.shape, call.weight.dtype], engine.device)
         name = _short(names.get(id(call.weight), "?"))
@@ -161,23 +193,14 @@ def choose_gemv(
             shape = f"{call.weight.dtype} {_describe(key)} rows {m}"
             what = f"{name} {_describe(key)} rows {m}"
             jobs.append(Job(what, shape, runs, len(weights), [(key, m)]))
-    if engine.device.type == "cuda":  # (the interpreter of a CPU's tests is not threadsafe)
-        todo = [j for j in jobs if not cache.has(j.shape, j.runs)]
-        runs = [run for j in todo for blocks, run in j.runs.values() if blocks is not None]
-        build_first(runs, engine.device)
-    lines = []
-    for job in jobs:
-        times = measured(cache, job.shape, job.what, job.runs, job.count, timer)
-        label = pick(times)
-        for i, km in enumerate(job.keys):  # the first is set, the others where not yet
-            if i == 0 or km not in table.blocks:
-                table.blocks[km] = job.runs[label][0]
-        lines.append(f"  {job.what}: {_show(times)} -> {label}")
-    gemv.feeds = {id(c.norm_weight): c.key for c in calls if c.norm_weight is not None}
-    table.report = "\n".join(lines)
-    gemv.table = table
-    kernels.install(engine.model)
-    return table
+    return calls, jobs
+
+
+def first_calls(jobs: list[Job], cache: TimesCache) -> list[Callable[[], object]]:
+    """The GEMV candidates that will be timed (those of shapes the cache has no times for);
+    the matmul library's runs stay out."""
+    todo = [j for j in jobs if not cache.has(j.shape, j.runs)]
+    return [run for j in todo for blocks, run in j.runs.values() if blocks is not None]
 
 
 @dataclass

@@ -7,7 +7,13 @@
 # the same tokens (docs/benchmarks.md, "Start-up: the graphs' kernels built ahead").
 #
 #   OUT=/tmp/out bash tools/recipes/engine_start_h200.sh            # repo root, ~2 min
+#   mkdir -p .ab/old && git archive OLD_COMMIT minisgl | tar -x -C .ab/old   # here, once
+#   OUT=/tmp/out RUNS="new:16 old:16 new:16 old:16" bash tools/recipes/engine_start_h200.sh
 #
+# RUNS: the starts in order, each SOURCE:THREADS, SOURCE "new" (this tree) or the name of a
+# folder under AB (default .ab) that holds another commit's package; default "new:16 new:1".
+# Each start says whether its greedy tokens equal the first's (with random weights, a GEMV
+# chosen otherwise by a close timing can change them, in any code).
 # WHEELS: a folder of wheels the GPU machine lacks (pyzmq, setproctitle; default .whl);
 # MODEL is made with random weights in SHAPE (qwen3-0.6b) when missing, with the tokenizer of
 # TOKENIZER_FROM (.gpu_tok).
@@ -25,11 +31,16 @@ log() { tee -a "$OUT/run.log"; }
 nvidia-smi -L 2>/dev/null | log
 [ -d "$MODEL" ] || python3 tools/make_random_model.py --shape "$SHAPE" --out "$MODEL" \
     --tokenizer-from "${TOKENIZER_FROM:-.gpu_tok}" --device cuda 2>&1 | tail -1 | log
-for threads in 16 1; do
-  echo "== fresh engine start, MINISGL_BUILD_THREADS=$threads ($SECONDS s)" | log
-  MINISGL_BUILD_THREADS=$threads TRITON_CACHE_DIR=$(mktemp -d) MINISGL_CACHE_DIR=$(mktemp -d) \
-      timeout 150 python3 - "$MODEL" "$OUT/tokens_$threads.json" <<'EOF_PY' 2>&1 \
-      | grep -E "kernel choice|ahead|engine ready|ready in|builds|Error|error" | log
+RUNS=${RUNS:-new:16 new:1}
+i=0
+for run in $RUNS; do
+  i=$((i + 1)); src=${run%%:*}; threads=${run##*:}
+  root=$PWD; [ "$src" = new ] || root=$(realpath "${AB:-.ab}/$src")
+  echo "== fresh engine start $i: $src, MINISGL_BUILD_THREADS=$threads ($SECONDS s)" | log
+  (cd "$root" && PYTHONPATH=/tmp/site:$root MINISGL_BUILD_THREADS=$threads \
+      TRITON_CACHE_DIR=$(mktemp -d) MINISGL_CACHE_DIR=$(mktemp -d) \
+      timeout 150 python3 - "$MODEL" "$OUT/tokens_$i.json" <<'EOF_PY' 2>&1) \
+      | grep -E "minisgl from|kernel choice|ahead|engine ready|ready in|builds|Error|error" | log
 import json
 import logging
 import sys
@@ -41,6 +52,7 @@ from minisgl.core import SamplingParams  # noqa: E402 - the imports are part of 
 from minisgl.engine.jit_log import jit_log  # noqa: E402
 from minisgl.llm import LLM  # noqa: E402
 
+print("minisgl from", sys.modules["minisgl"].__file__)
 llm = LLM(sys.argv[1])
 print(f"LLM ready in {time.perf_counter() - began:.1f} s")
 prompts = ["The capital of France is", "def fib(n):", "Once upon a time"]
@@ -49,7 +61,7 @@ json.dump([o["token_ids"] for o in out], open(sys.argv[2], "w"))
 print("builds after ready:", jit_log().summary())
 llm.shutdown()
 EOF_PY
+  if cmp -s "$OUT/tokens_1.json" "$OUT/tokens_$i.json"; then echo "tokens $i: as start 1's" | log
+  else echo "tokens $i: DIFFER from start 1's" | log; fi
 done
-if cmp -s "$OUT/tokens_16.json" "$OUT/tokens_1.json"; then echo "tokens: equal" | log
-else echo "tokens: DIFFER" | log; fi
 echo "done at $SECONDS s" | log
