@@ -10,8 +10,9 @@
 #   mkdir -p .ab/old && git archive OLD_COMMIT minisgl | tar -x -C .ab/old   # here, once
 #   OUT=/tmp/out RUNS="new:16 old:16 new:16 old:16" bash tools/recipes/engine_start_h200.sh
 #
-# RUNS: the starts in order, each SOURCE:THREADS, SOURCE "new" (this tree) or the name of a
-# folder under AB (default .ab) that holds another commit's package; default "new:16 new:1".
+# RUNS: the starts in order, each SOURCE:THREADS[:NAME=VALUE], SOURCE "new" (this tree) or
+# the name of a folder under AB (default .ab) that holds another commit's package, NAME=VALUE
+# one more setting (MINISGL_BUILD_AHEAD=0, say); default "new:16 new:1".
 # Each start says whether its greedy tokens equal the first's (with random weights, a GEMV
 # chosen otherwise by a close timing can change them, in any code).
 # WHEELS: a folder of wheels the GPU machine lacks (pyzmq, setproctitle; default .whl);
@@ -34,10 +35,11 @@ nvidia-smi -L 2>/dev/null | log
 RUNS=${RUNS:-new:16 new:1}
 i=0
 for run in $RUNS; do
-  i=$((i + 1)); src=${run%%:*}; threads=${run##*:}
+  i=$((i + 1)); src=${run%%:*}; rest=${run#*:}; threads=${rest%%:*}; knob=
+  [ "$rest" = "$threads" ] || knob=${rest#*:}
   root=$PWD; [ "$src" = new ] || root=$(realpath "${AB:-.ab}/$src")
-  echo "== fresh engine start $i: $src, MINISGL_BUILD_THREADS=$threads ($SECONDS s)" | log
-  (cd "$root" && PYTHONPATH=/tmp/site:$root MINISGL_BUILD_THREADS=$threads \
+  echo "== fresh engine start $i: $src, MINISGL_BUILD_THREADS=$threads $knob ($SECONDS s)" | log
+  (cd "$root" && env ${knob:+"$knob"} PYTHONPATH=/tmp/site:$root MINISGL_BUILD_THREADS=$threads \
       TRITON_CACHE_DIR=$(mktemp -d) MINISGL_CACHE_DIR=$(mktemp -d) \
       timeout 150 python3 - "$MODEL" "$OUT/tokens_$i.json" <<'EOF_PY' 2>&1) \
       | grep -E "minisgl from|kernel choice|ahead|engine ready|ready in|builds|Error|error" | log
