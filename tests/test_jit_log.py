@@ -108,9 +108,11 @@ def test_graphs_captured_after_a_dry_run_of_every_shape_replay_as_eager(monkeypa
     assert outs[0] == outs[1]
 
 
-def test_the_next_dry_run_makes_the_coming_calls_first_and_forgets_them():
+def test_the_next_dry_run_makes_the_coming_calls_too_and_forgets_them():
     """Start-up's later calls (the graphs' forwards, the sampler's) wait in the log's `coming`:
-    the next dry run makes them first and once, and their kernels build in its one pool."""
+    the next dry run makes them after its own, once, and their kernels build in its one pool;
+    a dry run that drops them (the kernel choice, on a machine that built everything before)
+    leaves them to their own dry runs."""
     log, kernel, order = jit_log(), _Kernel(), []
     fn = SimpleNamespace(module="minisgl.kernels.x", name="_x_kernel", jit_function=kernel)
 
@@ -125,10 +127,13 @@ def test_the_next_dry_run_makes_the_coming_calls_first_and_forgets_them():
     graphs, sampler, choice = launches("graphs"), launches("sampler"), launches("choice")
     log.coming = [graphs, sampler, choice]  # the dry run's own calls among them: made once
     build_ahead(choice, torch.device("cpu"), threads=2)
-    assert order == ["graphs", "sampler", "choice"] and log.coming == []
+    assert order == ["choice", "graphs", "sampler"] and log.coming == []
     assert sorted(d for _, d in kernel.built) == ["choice", "graphs", "sampler"]
     build_ahead(choice, torch.device("cpu"), threads=2)  # forgotten: not made again
     assert order[3:] == ["choice"]
+    log.coming = [graphs]
+    build_ahead(lambda: log.coming.clear(), torch.device("cpu"), threads=2)  # dropped
+    assert order[4:] == [] and log.coming == []
     log.coming = [graphs]
     log.mark_ready()  # start-up is over: what no dry run made is dropped
     assert log.coming == []

@@ -239,6 +239,8 @@ def test_on_the_gpu_one_dry_run_meets_the_forward_and_every_candidate(monkeypatc
     candidates are launched (built, if the pool could not) and timed: the table is the one
     a choice without the dry run makes."""
     from minisgl.engine import kernel_choice
+    from minisgl.engine.jit_log import jit_log
+    from minisgl.engine.kernel_cache import TimesCache
     from minisgl.engine.kernel_choice import Probe
     from minisgl.kernels.gemv import gemv
     from minisgl.layers import kernel_plan
@@ -279,12 +281,17 @@ def test_on_the_gpu_one_dry_run_meets_the_forward_and_every_candidate(monkeypatc
         return engine.forward_dummy()
 
     timer = lambda what, run: 0.5 if "rows 1" in what and "gemv" in what else 1.0  # noqa: E731
-    reports = []
-    for device in (torch.device("cpu"), CUDA):
+    reports, kept, log = [], TimesCache(), jit_log()
+    coming = log.coming = [lambda: None]  # the graphs' and sampler's calls, in an engine
+
+    def choose(device: torch.device, cache: TimesCache | None = None) -> str:
         probe = Probe(engine.model, device, engine.dtype, 64, forward_dummy)
         kernels = KernelPlan.at_start(engine.device, engine.dtype, engine.attn_backend)
         kernels.install(engine.model)  # the library's (the GEMV interpreted is slow)
-        reports.append(choose_gemv(probe, kernels, timer).report)
+        return choose_gemv(probe, kernels, timer, cache).report
+
+    for device in (torch.device("cpu"), CUDA):
+        reports.append(choose(device))
         if device.type == "cpu":
             assert forwards == [False] and not made  # no dry run on a CPU
             forwards.clear()
@@ -292,4 +299,7 @@ def test_on_the_gpu_one_dry_run_meets_the_forward_and_every_candidate(monkeypatc
     assert forwards == [True, True]  # the eager forward, then the recorded one, in the dry run
     assert made and all(in_dry for _, in_dry in made)  # every candidate once, in the dry run
     assert [run for run, _ in made] == launched  # and the same ones launched after it
-    llm.shutdown()
+    assert log.coming is coming and coming  # left for the pool's dry run to make
+    choose(torch.device("cpu"), kept)  # the times kept, as on a machine that has run before:
+    assert choose(CUDA, kept) == reports[0] and log.coming == []  # nothing to build: the
+    llm.shutdown()  # graphs and the sampler load their kernels in dry runs of their own

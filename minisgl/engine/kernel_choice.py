@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minisgl.engine.jit_log import build_ahead
+from minisgl.engine.jit_log import build_ahead, jit_log
 from minisgl.engine.kernel_cache import TimesCache
 from minisgl.env import ENV
 from minisgl.layers.activation import silu_and_mul
@@ -132,7 +132,9 @@ def choose_gemv(
         def dry_run() -> None:  # (jit_log.py: no kernel of ours is built or launched in it)
             engine.forward_dummy()
             planned.append(plan_jobs(engine, kernels, rows))
-            for run in first_calls(planned[0][1], cache):
+            if not (runs := first_calls(planned[0][1], cache)):  # every time kept: a machine
+                jit_log().coming.clear()  # that has built these, whose graphs and sampler
+            for run in runs:  # load theirs from disk in their own dry runs, quicker than two
                 run()
 
         build_ahead(dry_run, engine.device)

@@ -13,6 +13,8 @@
 # RUNS: the starts in order, each SOURCE:THREADS[:NAME=VALUE], SOURCE "new" (this tree) or
 # the name of a folder under AB (default .ab) that holds another commit's package, NAME=VALUE
 # one more setting (MINISGL_BUILD_AHEAD=0, say); default "new:16 new:1".
+# CACHE_ROOT: keep each source's Triton and kernel-choice caches under CACHE_ROOT/SOURCE, so
+# that a source's first start is fresh and its later ones warm (default: every start fresh).
 # Each start says whether its greedy tokens equal the first's (with random weights, a GEMV
 # chosen otherwise by a close timing can change them, in any code).
 # WHEELS: a folder of wheels the GPU machine lacks (pyzmq, setproctitle; default .whl);
@@ -38,9 +40,13 @@ for run in $RUNS; do
   i=$((i + 1)); src=${run%%:*}; rest=${run#*:}; threads=${rest%%:*}; knob=
   [ "$rest" = "$threads" ] || knob=${rest#*:}
   root=$PWD; [ "$src" = new ] || root=$(realpath "${AB:-.ab}/$src")
-  echo "== fresh engine start $i: $src, MINISGL_BUILD_THREADS=$threads $knob ($SECONDS s)" | log
+  triton=$(mktemp -d); choice=$(mktemp -d)
+  if [ -n "${CACHE_ROOT:-}" ]; then
+    triton=$CACHE_ROOT/$src/triton; choice=$CACHE_ROOT/$src/minisgl; mkdir -p "$triton" "$choice"
+  fi
+  echo "== engine start $i: $src, MINISGL_BUILD_THREADS=$threads $knob ($SECONDS s)" | log
   (cd "$root" && env ${knob:+"$knob"} PYTHONPATH=/tmp/site:$root MINISGL_BUILD_THREADS=$threads \
-      TRITON_CACHE_DIR=$(mktemp -d) MINISGL_CACHE_DIR=$(mktemp -d) \
+      TRITON_CACHE_DIR=$triton MINISGL_CACHE_DIR=$choice \
       timeout 150 python3 - "$MODEL" "$OUT/tokens_$i.json" <<'EOF_PY' 2>&1) \
       | grep -E "minisgl from|kernel choice|ahead|engine ready|ready in|builds|Error|error" | log
 import json
