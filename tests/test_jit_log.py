@@ -137,3 +137,17 @@ def test_the_next_dry_run_makes_the_coming_calls_too_and_forgets_them():
     log.coming = [graphs]
     log.mark_ready()  # start-up is over: what no dry run made is dropped
     assert log.coming == []
+
+
+def test_the_capture_builds_ahead_unless_the_model_started_here_before():
+    """A GPU's capture makes a dry run first, but not where the kernel choice found every
+    time kept (the model's kernels are in Triton's disk cache); an engine ready forgets it."""
+    from minisgl.engine.graph import GraphRunner
+
+    log, gpu = jit_log(), SimpleNamespace(stream=object())
+    assert GraphRunner._builds_ahead(gpu)
+    log.built_before = True
+    assert not GraphRunner._builds_ahead(gpu)
+    log.mark_ready()
+    assert not log.built_before and GraphRunner._builds_ahead(gpu)
+    assert not GraphRunner._builds_ahead(SimpleNamespace(stream=None))  # a CPU's: emulated

@@ -31,7 +31,7 @@ import torch
 
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.core import Batch, Req, get_global_ctx
-from minisgl.engine.jit_log import build_ahead  # [ch20]
+from minisgl.engine.jit_log import build_ahead, jit_log  # [ch20]
 from minisgl.models.base import BaseLLMModel
 
 if TYPE_CHECKING:
@@ -318,8 +318,8 @@ class GraphRunner:
         return batch, forward
 
     # >>> ch20
-    def _builds_ahead(self) -> bool:
-        return self.stream is not None
+    def _builds_ahead(self) -> bool:  # a GPU's capture, where the model has not started before
+        return self.stream is not None and not jit_log().built_before
 
     def dry_run(self) -> None:
         """Every graph's forward once, eagerly: the calls whose Triton kernels `build_ahead`

@@ -42,6 +42,9 @@ class JitLog:
     # calls start-up makes later (the graphs' forwards, the sampler's): the next dry run of
     # `build_ahead` makes them too, so that their kernels build in its pool, all at once
     coming: list[Callable[[], None]] = field(default_factory=list)
+    # the kernel choice found every time it needed kept: this model has started on this
+    # machine before, so its kernels are in Triton's disk cache, and load as calls meet them
+    built_before: bool = False
     _began: dict[object, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -56,7 +59,7 @@ class JitLog:
             self.builds.append((fn.name, now, now - began))
 
     def mark_ready(self) -> None:
-        self.ready_at, self.coming = time.perf_counter(), []
+        self.ready_at, self.coming, self.built_before = time.perf_counter(), [], False
 
     def after_ready(self) -> list[tuple[str, float, float]]:
         """The builds since `mark_ready` (all of them if it was never called)."""

@@ -133,8 +133,10 @@ def choose_gemv(
             engine.forward_dummy()
             planned.append(plan_jobs(engine, kernels, rows))
             if not (runs := first_calls(planned[0][1], cache)):  # every time kept: a machine
-                jit_log().coming.clear()  # that has built these, whose graphs and sampler
-            for run in runs:  # load theirs from disk in their own dry runs, quicker than two
+                log = jit_log()  # that has built these kernels; the graphs' and sampler's
+                log.coming.clear()  # load from disk as they are met, quicker than in more
+                log.built_before = True  # dry runs
+            for run in runs:
                 run()
 
         build_ahead(dry_run, engine.device)
