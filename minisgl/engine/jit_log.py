@@ -150,7 +150,8 @@ def build_ahead(dry_run: Callable[[], None], device: torch.device, threads: int 
         knobs.runtime.jit_cache_hook = before
     dry = time.perf_counter() - began
     # the coming calls' kernels first: the graphs' attention kernels are among the slowest
-    todo = [*list(noted.values())[ours:], *list(noted.values())[:ours]]
+    kernels = list(noted.values())
+    todo = kernels[ours:] + kernels[:ours]
 
     def build(kernel: object, data: str) -> bool:
         try:

@@ -132,10 +132,14 @@ def choose_gemv(
         def dry_run() -> None:  # (jit_log.py: no kernel of ours is built or launched in it)
             engine.forward_dummy()
             planned.append(plan_jobs(engine, kernels, rows))
-            if not (runs := first_calls(planned[0][1], cache)):  # every time kept: a machine
-                log = jit_log()  # that has built these kernels; the graphs' and sampler's
-                log.coming.clear()  # load from disk as they are met, quicker than in more
-                log.built_before = True  # dry runs
+            runs = first_calls(planned[0][1], cache)
+            if not runs:
+                # Every time kept: this machine has built these kernels before. The graphs'
+                # and the sampler's load from Triton's disk cache as they are met, quicker
+                # than through more dry runs.
+                log = jit_log()
+                log.coming.clear()
+                log.built_before = True
             for run in runs:
                 run()
 
