@@ -8,14 +8,18 @@ one where it pays keeps on, a bucket declined RETRY times measures again; a requ
 probes take a draft now and then still backs off; a drain for drafts that come to nothing
 reaches the switch-off. The engine runs last, on the tiny model with a simulated clock: a
 batch of four speculates where the verify is cheap and stops where it is dear, and its
-tokens are plain decoding's either way. And tools/bench_verify_cost.py, which measures what
-these tests simulate, runs on the CPU.
+tokens are plain decoding's either way. An offline batch, whose caller waits for every
+answer, verifies only where the last answer comes sooner (by an exact expectation). And
+tools/bench_verify_cost.py, which measures what these tests simulate, runs on the CPU, as
+does tools/bench_speculative.py's model of a GPU's decisions.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -25,7 +29,7 @@ from helpers import TINY, need, run_tool
 import minisgl.speculative.step as step_module
 from minisgl.core import Req, SamplingParams
 from minisgl.llm import LLM
-from minisgl.speculative.acceptance import Acceptance
+from minisgl.speculative.acceptance import Acceptance, Record, last_sooner
 from minisgl.speculative.cost import PRIOR, RETRY, StepCosts
 from minisgl.speculative.ngram import NgramDrafter
 
@@ -336,3 +340,96 @@ def test_the_verify_cost_tool_prints_the_curve_the_timeline_and_the_kernels(tmp_
     kernels = result["kernels"]
     assert kernels[0]["name"] == "all" and len(kernels) > 3
     assert kernels[0]["verify_ms"] > 0 and kernels[0]["decode_ms"] > 0
+
+
+def brute_last_sooner(remain: list[int], rates: list[float], ks: list[int]) -> float:
+    """The same expectation by enumerating every combination of drafts taken: a request
+    takes j < k drafts with probability a^j (1 - a), all k with a^k."""
+    expected_last = 0.0
+    for takes in itertools.product(*[range(k + 1) for k in ks]):
+        p = 1.0
+        for a, k, j in zip(rates, ks, takes):
+            p *= a**j * (1 - a) if j < k else a**k
+        expected_last += p * max(r - j for r, j in zip(remain, takes))
+    return max(remain) - expected_last
+
+
+def test_how_much_sooner_the_last_answer_comes_is_exact() -> None:
+    gen = random.Random(0)
+    for _ in range(60):
+        n = gen.randint(1, 3)
+        remain = [gen.randint(3, 12) for _ in range(n)]
+        rates = [gen.random() for _ in range(n)]
+        ks = [gen.randint(0, 4) for _ in range(n)]
+        assert last_sooner(remain, rates, ks) == pytest.approx(brute_last_sooner(remain, rates, ks))
+    # One request: its expected gain. A request that ends sooner anyway adds nothing.
+    acceptance = Acceptance(8)
+    assert last_sooner([50], [0.8], [8]) == pytest.approx(acceptance.expected(0, 8))
+    alone = last_sooner([50], [0.8], [8])
+    assert last_sooner([50, 30], [0.8, 0.99], [8, 8]) == pytest.approx(alone)
+    # Tied, the last is the one that takes least: four at 0.8 bring it 0.69 sooner, not 3.3.
+    assert last_sooner([50] * 4, [0.8] * 4, [8] * 4) == pytest.approx(
+        sum(0.8 ** (4 * j) for j in range(1, 9))
+    )
+
+
+class Batch2:
+    """The parts of a speculator that `_pays` reads, for a batch of two requests."""
+
+    def __init__(self, together: bool, waiting: bool = False) -> None:
+        self.always, self.together = False, together
+        self.acceptance, self.costs = Acceptance(8), StepCosts()
+        self.costs.seconds = {("plain", 2): 1.0, ("verify", 2): 1.5}  # a verify: 1.5 steps
+        self.costs.since_plain = {2: 0}
+        prefill = type("Prefill", (), {"has_work": waiting})()
+        self.scheduler = type("Scheduler", (), {"prefill": prefill})()
+
+    def pays(self, remain: list[int], drafts: list[int]) -> bool:
+        reqs = [type("Req", (), {"uid": i, "remain_len": r})() for i, r in enumerate(remain)]
+        return step_module.Speculator._pays(self, reqs, [[7] * k for k in drafts])  # type: ignore[arg-type]
+
+
+def test_an_offline_batch_verifies_where_it_brings_the_last_answer_sooner() -> None:
+    """Request 0 takes 6 of 10 drafts, request 1, 60 tokens further from its end, 1 of
+    10; a verify costs 1.5 plain steps. A server's batch verifies: the two requests' gains
+    (0.96 + 0.1 tokens) pay for the step's cost to both (0.5 each). Where one caller waits
+    for both, request 1's answer is likely last, and a verify brings it only 0.1 sooner:
+    the midpoint of 1.06 and 0.2 does not pay. Unless request 1's rate is still a guess
+    (it learns by verifying), or more requests wait to start (a token is a token to them)."""
+
+    def learned(spec: Batch2) -> Batch2:
+        for uid, taken in ((0, 6), (1, 1)):
+            spec.acceptance.records[uid] = Record(taken, 10 - taken, verified=3)
+        return spec
+
+    assert learned(Batch2(together=False)).pays([100, 160], [2, 1])
+    assert not learned(Batch2(together=True)).pays([100, 160], [2, 1])
+    assert learned(Batch2(together=True, waiting=True)).pays([100, 160], [2, 1])
+    fresh = learned(Batch2(together=True))
+    fresh.acceptance.records[1].verified = 0
+    assert fresh.pays([100, 160], [2, 1])
+    # When the request that takes more is the last, its drafts bring the last answer sooner.
+    assert learned(Batch2(together=True)).pays([160, 100], [2, 1])
+    # The offline API waits for every answer; the server's scheduler is built without it.
+    llm = LLM(str(need(TINY["llama"])), **KW, speculative="ngram")
+    assert llm.scheduler.spec.together
+    llm.shutdown()
+
+
+def test_the_speculation_tool_models_a_gpus_decisions_on_the_cpu(tmp_path) -> None:
+    """tools/bench_speculative.py --costs: the scheduler decides with the step costs given,
+    and each side's time is the sum of its steps' costs."""
+    out = tmp_path / "spec.json"
+    args = ["--model", str(need(TINY["llama"])), "--device", "cpu", "--smoke"]
+    args += ["--speculative", "suffix", "--costs", "1:1.0:1.5,4:1.2:1.8"]
+    done = run_tool("bench_speculative.py", *args, "--output-json", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "| workload | set | off ms | suffix ms | modelled speed-up |" in done.stdout
+    for key, row in json.loads(out.read_text()).items():
+        off_steps, on_steps = row["steps"]
+        assert row["first_difference"] is None, key  # fp32: the same tokens
+        # Off: every decode step a plain one, at 1.0 ms (batch 1) or 1.067 (batch 2).
+        per_step = 1.0 if key.endswith("batch 1") else 1.0 + 0.2 / 3
+        assert row["off_ms"] == pytest.approx(off_steps * per_step)
+        assert row["speedup"] == pytest.approx(row["off_ms"] / row["on_ms"])
+        assert on_steps <= off_steps

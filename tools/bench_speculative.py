@@ -21,8 +21,17 @@ the last column shows the fewest tokens before a first difference. Suffix drafts
 from earlier answers, so every timed run starts with a drafter that has seen none of the
 earlier runs' (same prompts') answers: a run draws only on the requests before it.
 
+With --costs, nothing is timed: the scheduler decides with the step costs given (batch size:
+plain step ms: verify step ms, as a GPU measured them; tools/bench_verify_cost.py) instead of
+measuring its own, and each side's time is modelled as the sum of its decode steps' costs.
+That puts a GPU's decisions on a CPU: which steps verify, and what the drafts they took
+were worth, with the real model's drafts and acceptance (fp32, so both sides make the same
+tokens). Verifies are not launched ahead (a CPU has no overlap).
+
     python tools/bench_speculative.py --model models/SmolLM2-135M-Instruct --attn triton
     python tools/bench_speculative.py --model models/tiny-llama --device cpu --smoke
+    python tools/bench_speculative.py --model models/SmolLM2-135M-Instruct --device cpu \
+        --speculative suffix --sets tuning --batches 1,4 --costs 1:0.703:1.480,4:0.963:1.656
 """
 
 from __future__ import annotations
@@ -161,6 +170,90 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
     }
 
 
+def parse_costs(text: str) -> dict[int, tuple[float, float]]:
+    """ "1:0.70:1.48,4:0.96:1.66" -> {batch size: (plain step, verify step)}."""
+    costs = {}
+    for part in text.split(","):
+        bs, plain, verify = part.split(":")
+        costs[int(bs)] = (float(plain), float(verify))
+    return costs
+
+
+def cost_at(costs: dict[int, tuple[float, float]], bs: int) -> tuple[float, float]:
+    """The step costs at batch size bs: linear between the sizes given, flat beyond them."""
+    sizes = sorted(costs)
+    if bs <= sizes[0] or bs >= sizes[-1]:
+        return costs[sizes[0] if bs <= sizes[0] else sizes[-1]]
+    hi = next(s for s in sizes if s >= bs)
+    lo = max(s for s in sizes if s <= bs)
+    if hi == lo:
+        return costs[lo]
+    w = (bs - lo) / (hi - lo)
+    return tuple((1 - w) * a + w * b for a, b in zip(costs[lo], costs[hi]))  # type: ignore[return-value]
+
+
+def modelled(
+    llm: object, mode: str, prompts: list, params: object, alone: bool, costs: dict
+) -> dict:
+    """One run a side, the scheduler deciding with `costs`; each side's time the sum of
+    its decode steps' costs (ms), and in a batch each request's time to its last token."""
+    from minisgl.speculative.cost import StepCosts
+    from minisgl.speculative.suffix import SuffixDrafter
+
+    class Given(StepCosts):  # what a verify costs, as given: nothing measured here
+        def start(self, kind: str | None, bs: int, now: float | None = None) -> None:
+            pass
+
+        def ratio(self, bs: int) -> float:
+            plain, verify = cost_at(costs, bs)
+            return verify / plain
+
+        def measured(self, bs: int) -> bool:
+            return True
+
+    spec = llm.scheduler.spec  # type: ignore[attr-defined]
+    spec.costs = Given()
+    try_step = spec.try_step
+    steps: list[tuple[int, bool, list[int]]] = []  # decode steps: size, verified, requests
+
+    def counted(batch: object) -> object:
+        forwards = spec.num_forwards
+        out = try_step(batch)
+        if batch.is_decode:  # type: ignore[attr-defined]
+            uids = [r.uid for r in batch.reqs]  # type: ignore[attr-defined]
+            steps.append((len(uids), spec.num_forwards > forwards, uids))
+        return out
+
+    spec.try_step = counted
+    sides = {}
+    for side in ("off", "on"):
+        spec.enabled = side == "on"
+        if mode == "suffix":
+            spec.drafter = SuffixDrafter()
+        steps.clear()
+        before = counters(spec, [])
+        out, _ = run(llm, prompts, params, alone)
+        accepted, verifies, forwards, _ = (a - b for a, b in zip(counters(spec, []), before))
+        clock, done = 0.0, {}  # each request's last step's end: when it finished
+        for bs, verified, uids in steps:
+            clock += cost_at(costs, bs)[verified]
+            done.update(dict.fromkeys(uids, clock))
+        ends = [done[uid] for uid in sorted(done)] if not alone else []
+        sides[side] = (out, clock, forwards, accepted / max(verifies, 1), len(steps), ends)
+    spec.try_step = try_step
+    off, on = sides["off"], sides["on"]
+    return {
+        "off_ms": off[1],
+        "on_ms": on[1],
+        "speedup": off[1] / on[1],
+        "finish_speedup": sum(off[5]) / sum(on[5]) if on[5] else off[1] / on[1],
+        "steps": (off[4], on[4]),
+        "verify_forwards": on[2],
+        "accepted_per_verify": on[3],
+        "first_difference": agreement([on[0]], off[0]),
+    }
+
+
 def summarise(row: dict) -> dict:
     off, on = row["tok_s"]["off"], row["tok_s"]["on"]
     m_off, m_on = statistics.median(off), statistics.median(on)
@@ -188,6 +281,11 @@ def main() -> None:
     p.add_argument(
         "--smoke", action="store_true", help="a prompt a workload, 8 tokens: does it run"
     )
+    p.add_argument(
+        "--costs",
+        default=None,
+        help="B:PLAIN:VERIFY,... (ms): decide with these step costs and model the time",
+    )
     p.add_argument("--output-json", default=None)
     args = parse(p)
     if args.speculative == "off":
@@ -207,14 +305,25 @@ def main() -> None:
         kw["speculative_max_bs"] = args.speculative_max_bs
     llm = LLM(**kw)
     params = SamplingParams(max_tokens=max_tokens)
+    costs = parse_costs(args.costs) if args.costs else None
     results: dict[str, dict] = {}
     for name, (kind, chats) in loads.items():
         prompts = prompts_of(llm.tokenizer, chats)
         for size in batches:
             reqs = prompts if size == 1 else (prompts * (size // len(prompts) + 1))[:size]
+            if costs:
+                row = modelled(llm, args.speculative, reqs, params, size == 1, costs)
+                results[f"{name}, batch {size}"] = row | {"set": kind}
+                continue
             row = measure(llm, args.speculative, reqs, params, size == 1, args.pairs)
             results[f"{name}, batch {size}"] = row | {"set": kind} | summarise(row)
     llm.shutdown()
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=1)
+    if costs:
+        print_modelled(results, args.speculative, args.costs)
+        return
 
     mode = args.speculative
     print(f"\n{args.pairs} alternating pairs after a warm-up of each side; medians [range]")
@@ -235,9 +344,24 @@ def main() -> None:
             f"±{r['noise']:.1%} | {r['verdict']} | {r['accepted_per_verify']:.2f} | "
             f"{r['verify_graph_share']:.0%} | {agree} |"
         )
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(results, f, indent=1)
+
+
+def print_modelled(results: dict, mode: str, given: str) -> None:
+    print(f"\nstep costs given (batch: plain ms: verify ms): {given}; decode steps' time modelled")
+    print(
+        f"| workload | set | off ms | {mode} ms | modelled speed-up | requests finish sooner |"
+        " decode steps off / on |"
+        " verifies | accepted per verify | greedy agreement |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for key, r in results.items():
+        first = r["first_difference"]
+        agree = "same tokens" if first is None else f"first difference after {first} tokens"
+        print(
+            f"| {key} | {r['set']} | {r['off_ms']:.1f} | {r['on_ms']:.1f} | {r['speedup']:.3f}x"
+            f" | {r['finish_speedup']:.3f}x | {r['steps'][0]} / {r['steps'][1]} |"
+            f" {r['verify_forwards']} | {r['accepted_per_verify']:.2f} | {agree} |"
+        )
 
 
 if __name__ == "__main__":

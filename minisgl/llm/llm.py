@@ -37,6 +37,7 @@ class LLM:
         config, self._followers = start_followers(config)  # this process is rank 0  # [ch21]
         weakref.finalize(self, stop_followers, self._followers, 0.0)  # if never shut down  # [ch21]
         self.scheduler = Scheduler(config, self.tokenizer.eos_token_ids)
+        self.scheduler.spec.together = True  # `generate` returns once every answer is in  # [ch26]
         self.kv_events = start_kv_events(config, self.scheduler)  # [ch27]
         self.engine = self.scheduler.engine
         self._uids = itertools.count()

@@ -125,6 +125,11 @@ class StepCosts:
         plain, verify = self.seconds.get(("plain", b)), self.seconds.get(("verify", b))
         return verify / plain if plain and verify is not None else PRIOR
 
+    def measured(self, bs: int) -> bool:
+        """Whether both costs at this batch size are measured (else `ratio` is the prior)."""
+        b = bucket(bs)
+        return ("plain", b) in self.seconds and ("verify", b) in self.seconds
+
     def pays(self, bs: int, expected: float) -> bool:
         """Whether a verify step that is expected to accept `expected` drafts beats a plain
         step; a bucket declined RETRY times in a row gets one verify step to measure, and

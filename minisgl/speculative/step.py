@@ -77,6 +77,10 @@ class Speculator:
         elif config.speculative == "suffix":  # this request's and earlier requests' text
             self.drafter = SuffixDrafter()
         self.acceptance = Acceptance(self.max_drafts)  # per request: rate, switch-off
+        # Whose wait a verify must shorten: False (a server), each request's own, so the
+        # drafts the batch is expected to take must pay for the step; True (the offline
+        # API, whose caller waits for every answer), the last answer's (`_pays`).
+        self.together = False
         # Drafts proposed and accepted, requests verified, and verify forwards run.
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
         self.accepted_lengths = [0] * (self.max_drafts + 1)  # verifies by drafts accepted
@@ -166,10 +170,29 @@ class Speculator:
     def _pays(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
         """Whether these drafts are worth a verify step: the drafts each request is expected
         to have accepted (its acceptance rate a: a + a^2 + ... over its drafts), against
-        what a verify step costs at this batch size (cost.py)."""
+        what a verify step costs at this batch size (cost.py).
+
+        A verify delays every request in the batch by its extra cost, and each request's
+        wait shortens by the drafts it takes. A server's requests are each waited for by
+        their own client, so the sum of their expected gains must pay. Where one caller
+        waits for them all (`together`: the offline API) and none is left waiting to start,
+        what counts is how much sooner the last answer comes, and which answer will be last
+        depends on lengths not known yet. If every request ran to its token limit, it would
+        be the one with most left, and the gain `last_sooner` (for bs requests, g tokens
+        sooner for the last is worth bs * g: cost.py weighs a batch's tokens); if lengths
+        had nothing to do with drafts, any request would be as likely to be last, and the
+        gain the sum's. The step takes the midpoint, and the sum while a request's rate or
+        the batch size's verify cost is still a guess: they are learned only by verifying."""
         if not any(drafts) or self.always:
             return any(drafts)
-        expected = sum(self.acceptance.expected(r.uid, len(d)) for r, d in zip(reqs, drafts))
+        a = self.acceptance
+        expected = sum(a.expected(r.uid, len(d)) for r, d in zip(reqs, drafts))
+        if self.together and len(reqs) > 1 and not self.scheduler.prefill.has_work:
+            gain = (len(reqs) * a.last_sooner(reqs, drafts) + expected) / 2
+            guessed = any(d and a.guessed(r.uid) for r, d in zip(reqs, drafts))
+            if guessed or not self.costs.measured(len(reqs)):  # learned by verifying
+                gain = max(gain, expected)
+            return self.costs.pays(len(reqs), gain)
         return self.costs.pays(len(reqs), expected)
 
     def release(self, uid: int) -> None:
