@@ -81,6 +81,7 @@ def run_follower(
         level=log_level, format=f"%(asctime)s rank {config.tp_rank} %(levelname)s %(message)s"
     )
     scheduler = Scheduler(config, Tokenizer(config.model_path).eos_token_ids)
+    scheduler.spec.together = not serving  # as rank 0's: LLM.generate's  # [ch26]
     try:
         follow(scheduler)
     finally:
