@@ -79,7 +79,7 @@ class Speculator:
         self.acceptance = Acceptance(self.max_drafts)  # per request: rate, switch-off
         # Whose wait a verify must shorten: False (a server), each request's own, so the
         # drafts the batch is expected to take must pay for the step; True (the offline
-        # API, whose caller waits for every answer), the last answer's (`_pays`).
+        # API, whose caller waits for every answer), the last answer's too (`_pays`).
         self.together = False
         # Drafts proposed and accepted, requests verified, and verify forwards run.
         self.num_drafted = self.num_accepted = self.num_steps = self.num_forwards = 0
