@@ -11,7 +11,8 @@ batch of four speculates where the verify is cheap and stops where it is dear, a
 tokens are plain decoding's either way. An offline batch, whose caller waits for every
 answer, verifies only where the last answer comes sooner (by an exact expectation). And
 tools/bench_verify_cost.py, which measures what these tests simulate, runs on the CPU, as
-does tools/bench_speculative.py's model of a GPU's decisions.
+does tools/bench_speculative.py's model of a GPU's decisions. Under tensor parallelism
+every rank times its steps by rank 0's clock, sent with the messages.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 import torch
 from helpers import TINY, need, run_tool
 
+import minisgl.speculative.cost as cost_module
 import minisgl.speculative.step as step_module
 from minisgl.core import Req, SamplingParams
 from minisgl.llm import LLM
@@ -433,3 +435,26 @@ def test_the_speculation_tool_models_a_gpus_decisions_on_the_cpu(tmp_path) -> No
         assert row["off_ms"] == pytest.approx(off_steps * per_step)
         assert row["speedup"] == pytest.approx(row["off_ms"] / row["on_ms"])
         assert on_steps <= off_steps
+
+
+def test_under_tensor_parallelism_every_rank_times_its_steps_by_rank_0s_clock(monkeypatch):
+    """The ranks must take the same steps, and verifies are decided from timed steps: so
+    rank 0 sends its clock with the messages each step starts from (scheduler/ranks.py),
+    and every rank's speculator times its steps by it, never by its own clock."""
+    data = cost_module.stamp_clock(b"messages")
+    sent = cost_module.leader_clock()
+    monkeypatch.setattr(cost_module, "_leader_clock", [0.0])  # another rank's
+    assert cost_module.read_clock(data) == b"messages"
+    assert cost_module.leader_clock() == sent
+    llm = LLM(str(need(TINY["llama"])), **KW, speculative="ngram")
+    spec = llm.scheduler.spec
+    spec.tp_size = 2  # as a rank of two would be; the clock it reads is the shared one
+    monkeypatch.setattr(step_module, "leader_clock", lambda: 42.0)
+    starts: list[float | None] = []
+    start = spec.costs.start
+    monkeypatch.setattr(
+        spec.costs, "start", lambda k, bs, now=None: (starts.append(now), start(k, bs, now))[1]
+    )
+    llm.generate(prompts(2), PARAMS, use_tqdm=False)
+    llm.shutdown()
+    assert starts and set(starts) == {42.0}

@@ -33,6 +33,7 @@ from minisgl.message.codec import decode, encode
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.speculative.cost import read_clock, stamp_clock  # [ch26]
 from minisgl.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,16 @@ def share_messages(messages: list[Any]) -> list[Any]:
     if tp.size == 1:
         return messages
     if not tp.is_primary:
-        return decode(broadcast_bytes(None))
+        data = broadcast_bytes(None)
+        data = read_clock(data)  # rank 0's, which speculation's step costs read  # [ch26]
+        return decode(data)
     for msg in messages:
         # An unseeded request would draw its seed from each rank's own random state.
         if isinstance(msg, UserMsg) and msg.sampling_params.seed is None:
             msg.sampling_params.seed = random.getrandbits(63)
-    broadcast_bytes(encode(messages))
+    data = encode(messages)
+    data = stamp_clock(data)  # [ch26]
+    broadcast_bytes(data)
     return messages
 
 

@@ -30,6 +30,7 @@ the ones that refill the pipeline are not a plain step's cost.
 
 from __future__ import annotations
 
+import struct
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,28 @@ REMEASURE = 256  # verify steps in a bucket before plain steps are taken, to mea
 WEIGHT = 0.2  # of the newest cost in the moving average
 REFILL = 2  # plain steps after a verify whose difference from a plain step is the verify's
 WAIT = 4.0  # an interval this many times its kind's average: the scheduler waited for work
+
+
+# Under tensor parallelism every rank must take the same steps (scheduler/ranks.py), and
+# these decisions are timed: so every rank times its steps by rank 0's clock, as read when
+# it shared the messages a step starts from.
+_leader_clock = [0.0]
+
+
+def stamp_clock(data: bytes) -> bytes:
+    """Rank 0: its clock now, before the shared messages (and its own steps read it)."""
+    _leader_clock[0] = time.perf_counter()
+    return struct.pack("d", _leader_clock[0]) + data
+
+
+def read_clock(data: bytes) -> bytes:
+    """Ranks 1..: rank 0's clock off the shared messages; the messages."""
+    (_leader_clock[0],) = struct.unpack_from("d", data)
+    return data[8:]
+
+
+def leader_clock() -> float:
+    return _leader_clock[0]
 
 
 def bucket(bs: int) -> int:

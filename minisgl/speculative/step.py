@@ -35,7 +35,7 @@ from minisgl.message.backend import TokenMsg
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.speculative.acceptance import AHEAD, Acceptance
-from minisgl.speculative.cost import StepCosts
+from minisgl.speculative.cost import StepCosts, leader_clock
 from minisgl.speculative.draft_model import DraftModelDrafter
 from minisgl.speculative.ngram import NgramDrafter
 from minisgl.speculative.suffix import SuffixDrafter
@@ -71,6 +71,7 @@ class Speculator:
         self.enabled = config.speculative != "off"
         self.max_drafts, self.max_bs = config.num_draft_tokens, config.speculative_max_bs
         self.always = config.speculative_always  # no measuring: every draft is verified
+        self.tp_size = config.tp_size  # ranks: they time their steps by rank 0's clock
         self.drafter: NgramDrafter | DraftModelDrafter | SuffixDrafter = NgramDrafter()
         if config.speculative == "draft":  # a smaller model's greedy tokens
             self.drafter = DraftModelDrafter(config, scheduler.engine)
@@ -111,7 +112,8 @@ class Speculator:
         already draft something worth a verify step is the pipeline drained for one. A
         verify in flight is different: its requests' lengths wait on its tokens, so the next
         step either launches the next verify on top of it (`_go_ahead`) or drains it first."""
-        began, takes, forwards = time.perf_counter(), self._takes(batch), self.num_forwards
+        began = time.perf_counter() if self.tp_size == 1 else leader_clock()  # all ranks alike
+        takes, forwards = self._takes(batch), self.num_forwards
         self.drained = False
         out = self._after_ahead(batch, takes) if self.ahead is not None else None
         if out is None:
