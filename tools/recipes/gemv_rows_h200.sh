@@ -1,26 +1,38 @@
 #!/usr/bin/env bash
-# Whether the GEMV should take more than one row by default (docs/benchmarks.md, "A few rows
-# on the tensor cores"): MINISGL_GEMV_MAX_ROWS=1 (the default) against 16 (chapter 20's GEMV
-# at 2-4 rows and the tensor cores' kernels/gemv_mma.py at 2-16, where the start-up
-# measurement chose them), in one call:
+# Settings of the few-row GEMV against each other, in one call (docs/benchmarks.md, "A few
+# rows on the tensor cores"); by default MINISGL_GEMV_MAX_ROWS=1 against 16 (chapter 20's
+# GEMV at 2-4 rows and the tensor cores' kernels/gemv_mma.py at 2-16, where the start-up
+# measurement chose them):
 #
 #   OUT=/tmp/out bash tools/recipes/gemv_rows_h200.sh                 # repo root, ~8 min
 #   OUT=/tmp/out SHAPES=qwen3-8b BATCHES=1,8 STARTS=0 bash tools/recipes/gemv_rows_h200.sh
+#   OUT=/tmp/out KERNELS=smollm2-135m,qwen3-0.6b VERIFY=smollm2-135m \
+#     VARIANTS="split:GEMV_SPLIT_K=1;whole:GEMV_SPLIT_K=0" SHAPES="smollm2-135m qwen3-0.6b" \
+#     BATCHES=1,2,4,8,16 STARTS=0 bash tools/recipes/gemv_rows_h200.sh   # K split or not
 #
+# 0. KERNELS (models of tools/bench_gemv.py, none by default): each projection at 2-16 rows,
+#    every candidate of the start-up measurement (under the first variant's settings) timed
+#    beside the library, and the sums of one decode step's projections.
 # 1. For each shape of SHAPES (random weights, made on the GPU when missing): decode steps at
-#    BATCHES, the two settings in alternating rounds (tools/bench_latency.py --variants),
-#    each engine measuring its own choice at its start.
-# 2. What the extra row counts cost a start: an engine on the first shape started from empty
-#    Triton and kernel-choice caches (a fresh machine) and then warm, each setting STARTS
-#    times (2; 0 skips the stage), alternating, with the kernel choice's and the engine's time from their log lines.
+#    BATCHES, the VARIANTS in alternating rounds (tools/bench_latency.py --variants), each
+#    engine measuring its own choice at its start.
+# 2. VERIFY (a shape, none by default): a verify step of 4 and 8 drafts against a decode
+#    step at batch 1 and 4 (tools/bench_verify_cost.py), one process a variant, twice, ABAB.
+# 3. What the settings cost a start: an engine on the first shape started from empty
+#    Triton and kernel-choice caches (a fresh machine) and then warm, each variant STARTS
+#    times (2; 0 skips the stage), alternating, with the kernel choice's and the engine's
+#    time from their log lines.
 #
 # TOKENIZER_FROM: a folder with SmolLM2's tokenizer files (prompts are random ids anyway).
-# A CPU dry run of stage 2: OUT=/tmp/o SHAPES= START_MODEL=models/tiny-llama bash ...
+# A CPU dry run of stage 3: OUT=/tmp/o SHAPES= START_MODEL=models/tiny-llama bash ...
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
 SHAPES=${SHAPES-qwen3-0.6b llama-3.2-1b qwen3-8b}
 BATCHES=${BATCHES:-1,2,4,8,16,64,256}
 ROUNDS=${ROUNDS:-2}
+VARIANTS=${VARIANTS:-r1:GEMV_MAX_ROWS=1;r16:GEMV_MAX_ROWS=16}
+KERNELS=${KERNELS:-}
+VERIFY=${VERIFY:-}
 STARTS=${STARTS:-2}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
 TOKENIZER_FROM=${TOKENIZER_FROM:-.gpu_tok}
@@ -28,23 +40,44 @@ START_MODEL=${START_MODEL:-/root/${SHAPES%% *}}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 mkdir -p "$OUT"
 log() { tee -a "$OUT/run.log"; }
+settings() {  # a variant's knobs as MINISGL_ assignments: "r1:GEMV_MAX_ROWS=1" -> MINISGL_GEMV_MAX_ROWS=1
+  local knobs=${1#*:}
+  echo "MINISGL_${knobs//,/ MINISGL_}"
+}
 git log -1 --format='commit %h %s' 2>/dev/null | log
 nvidia-smi -L 2>/dev/null | log
+IFS=';' read -ra variants <<< "$VARIANTS"
+if [ -n "$KERNELS" ]; then
+  echo "== each projection's candidates at 2-16 rows: $KERNELS ($SECONDS s)" | log
+  env $(settings "${variants[0]}") timeout "$BENCH_TIMEOUT" python3 tools/bench_gemv.py \
+      --models "$KERNELS" --rows 2,4,8,16 --normed \
+      --reps 5 --output-json "$OUT/gemv.json" 2>&1 | grep -vE "^$|Warning" | log
+fi
 for shape in $SHAPES; do
   [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" \
       --out "/root/$shape" --tokenizer-from "$TOKENIZER_FROM" --device cuda 2>&1 | tail -1 | log
-  echo "== decode steps, $shape, GEMV up to 1 row against 16 ($SECONDS s)" | log
+  echo "== decode steps, $shape, $VARIANTS ($SECONDS s)" | log
   timeout "$BENCH_TIMEOUT" python3 tools/bench_latency.py --model "/root/$shape" --skip-hf --skip-eager \
       --batch-sizes "$BATCHES" --input-len 32 --output-len 64 --step-tokens 32 \
-      --variants "r1:GEMV_MAX_ROWS=1;r16:GEMV_MAX_ROWS=16" --rounds "$ROUNDS" \
+      --variants "$VARIANTS" --rounds "$ROUNDS" \
       --output-json "$OUT/rows_$shape.json" 2>&1 | grep -E "^\||ms/step|Error" | log
 done
+if [ -n "$VERIFY" ]; then
+  for round in 1 2; do
+    for variant in "${variants[@]}"; do
+      echo "== verify steps, $VERIFY, ${variant%%:*}, round $round ($SECONDS s)" | log
+      env $(settings "$variant") timeout "$BENCH_TIMEOUT" python3 tools/bench_verify_cost.py \
+          --model "/root/$VERIFY" --ks 4,8 --batches 1,4 --input-len 128 --rounds 2 \
+          --output-json "$OUT/verify_${variant%%:*}_$round.json" 2>&1 | grep -E "^\||Error" | log
+    done
+  done
+fi
 for i in $(seq 1 "$STARTS"); do
-  for rows in 1 16; do
+  for variant in "${variants[@]}"; do
     caches=$(mktemp -d)
     for state in fresh warm; do
-      echo "== an engine's start, GEMV up to $rows, $state caches ($SECONDS s)" | log
-      MINISGL_GEMV_MAX_ROWS=$rows TRITON_CACHE_DIR=$caches/triton MINISGL_CACHE_DIR=$caches/minisgl \
+      echo "== an engine's start, ${variant%%:*}, $state caches ($SECONDS s)" | log
+      env $(settings "$variant") TRITON_CACHE_DIR=$caches/triton MINISGL_CACHE_DIR=$caches/minisgl \
           timeout 300 python3 - "$START_MODEL" <<'EOF' 2>&1 | grep -E "engine ready|kernel choice took|ready in|Error" | log
 import logging
 import sys
