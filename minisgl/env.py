@@ -80,9 +80,6 @@ class _Env:
         # small batches run chapter 20's GEMV or the tensor cores' (kernels/gemv_mma.py)
         # where the start-up measurement finds them faster (docs/benchmarks.md)
         self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 16)
-        # the start-up measurement also tries the tensor cores' GEMV with K split among
-        # programs, where a projection has few tiles (off by default: not measured on a GPU)
-        self.GEMV_SPLIT_K = EnvVar.read("GEMV_SPLIT_K", False)
         # <<< ch26
         # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused
         # kernels run (triton: 1.07-1.22x faster steps at batch 1-256, docs/benchmarks.md),

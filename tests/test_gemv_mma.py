@@ -40,7 +40,6 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 # (rows of x, out features, in features): blocks that divide and blocks that do not
 SHAPES = [(2, 64, 64), (3, 37, 70), (9, 96, 1030), (MMA_ROWS, 130, 200)]
 BLOCKS = [MmaBlocks(16, 16, 1, 1), MmaBlocks(32, 64, 2, 2)]
-SPLIT = [MmaBlocks(16, 16, 1, 1, splits=3), MmaBlocks(32, 64, 2, 2, splits=64)]  # K shared
 
 
 def _tol(dtype: torch.dtype) -> dict:
@@ -54,7 +53,7 @@ def test_mma_gemv_equals_linear(m: int, n: int, k: int, dtype: torch.dtype) -> N
     x = torch.randn(m, k, generator=gen).to(DEV, dtype)
     w = (torch.randn(n, k, generator=gen) / k**0.5).to(DEV, dtype)
     b = torch.randn(n, generator=gen).to(DEV, dtype)
-    for blocks in [*BLOCKS, *SPLIT, *mma_candidates(n, k)]:
+    for blocks in [*BLOCKS, *mma_candidates(n, k)]:
         torch.testing.assert_close(gemv(x, w, blocks=blocks), F.linear(x, w), **_tol(dtype))
         torch.testing.assert_close(gemv(x, w, b, blocks=blocks), F.linear(x, w, b), **_tol(dtype))
 
@@ -75,46 +74,11 @@ def test_mma_gemv_with_the_norm_equals_add_norm_then_the_projection(
         norm.weight.copy_(torch.rand(k, generator=gen) + 0.5)
     want = F.linear(norm.reference(x + residual), w)
     want = silu_and_mul_reference(want) if gated else want
-    for blocks in [BLOCKS[1], *SPLIT, *mma_candidates(n, k, gated)]:
+    for blocks in [BLOCKS[1], *mma_candidates(n, k, gated)]:
         out = torch.full_like(residual, float("nan"))
         got = gemv(x, w, blocks=blocks, gated=gated, norm=(residual, out, norm.weight, norm.eps))
         torch.testing.assert_close(got, want, **_tol(dtype))
         torch.testing.assert_close(out, x + residual, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("gated", [False, True])
-def test_k_split_among_programs_sums_in_one_order_and_leaves_its_counters_at_zero(
-    gated: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A narrow projection's tiles split along K: each split's sums meet in the last program
-    of the tile, added in split order, so two calls give the same bits; the tile counters
-    are zero again after each call (a CUDA graph replays the same launch); the launch is
-    tried only where the unsplit one makes few programs, and never splits into more
-    programs than K has blocks."""
-    from minisgl.kernels import gemv_mma
-
-    m, n, k = 9, 80, 1030
-    gen = torch.Generator().manual_seed(11 + gated)
-    x, residual = (torch.randn(m, k, generator=gen).to(DEV) for _ in range(2))
-    w = (torch.randn(2 * n if gated else n, k, generator=gen) / k**0.5).to(DEV)
-    norm_weight = (torch.rand(k, generator=gen) + 0.5).to(DEV)
-    out = torch.empty_like(x)
-    fold = (residual, out, norm_weight, 1e-6)
-    unsplit = gemv(x, w, blocks=MmaBlocks(16, 128, 1, 1), gated=gated, norm=fold)
-    blocks = MmaBlocks(16, 128, 1, 1, splits=4)  # 9 blocks of K: 3 a split, 3 splits
-    assert gemv_mma._split_k(k, blocks) == (3, 3 * 128)
-    first = gemv(x, w, blocks=blocks, gated=gated, norm=fold)
-    assert not gemv_mma._counters[x.device].any()
-    torch.testing.assert_close(first, unsplit, **_tol(torch.float32))
-    assert torch.equal(gemv(x, w, blocks=blocks, gated=gated, norm=fold), first)
-    assert gemv_mma._split_k(k, MmaBlocks(16, 128, 1, 1, splits=50)) == (9, 128)
-    # candidates (when asked for): split where one tile a 16 features leaves programs to
-    # spare, not elsewhere
-    assert all(b.splits == 1 for b in mma_candidates(1024, 2048, gated))  # off by default
-    monkeypatch.setattr(ENV.GEMV_SPLIT_K, "value", True)
-    found = mma_candidates(1024, 2048, gated)
-    assert [b.splits for b in found] == [1, 1, 16 if gated else 4]
-    assert all(b.splits == 1 for b in mma_candidates(151936, 1024))  # the LM head: plenty
 
 
 def test_the_tensor_cores_take_the_rows_the_cuda_cores_cannot() -> None:
@@ -208,5 +172,4 @@ def test_the_sweep_tries_tiles_that_fit_and_the_tensor_cores_alone_past_the_cuda
         assert alone and all(isinstance(b, MmaBlocks) for b in alone)
         for b in alone:
             assert (b.block_n * (1 + gated) + 16) * b.block_k * 2 * b.stages <= 160 * 1024
-        tiles = {b._replace(splits=1) for b in mma_candidates(3072, 1024, gated)}
-        assert tiles <= set(alone)  # the candidates' tiles came from it
+        assert set(mma_candidates(3072, 1024, gated)) <= set(alone)  # the candidates came from it

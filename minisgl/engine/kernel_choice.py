@@ -332,12 +332,10 @@ def candidates(
 
 def gemv_label(blocks: Blocks) -> str:
     """How the log and the times cache name a GEMV launch: gemv 1x2x512w1 (rows, features and
-    K per program, warps), gemv mma 32x128w2s3 (features, K, warps, stages) on the tensor cores,
-    gemv mma 16x256w2s4k4 with K split among 4 programs a tile."""
+    K per program, warps), gemv mma 32x128w2s3 (features, K, warps, stages) on the tensor cores."""
     # >>> ch26
     if type(blocks).__name__ == "MmaBlocks":
-        split = f"k{blocks.splits}" if blocks.splits > 1 else ""  # type: ignore[union-attr]
-        return "gemv mma " + "x".join(map(str, blocks[:2])) + "w{}s{}".format(*blocks[2:4]) + split
+        return "gemv mma " + "x".join(map(str, blocks[:2])) + "w{}s{}".format(*blocks[2:])
     # <<< ch26
     return "gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"
 

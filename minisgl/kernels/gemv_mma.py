@@ -24,11 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.env import ENV
 from minisgl.kernels.pdl import pdl_launch, pdl_wait
 
 MMA_ROWS = 16  # rows of x this kernel takes: the narrow side of the tensor cores' product
-SPLIT_PROGRAMS = 256  # programs a split launch aims at: about two an SM on a 132-SM card
 
 
 class MmaBlocks(NamedTuple):
@@ -40,39 +38,30 @@ class MmaBlocks(NamedTuple):
     block_k: int
     warps: int
     stages: int
-    splits: int = 1  # programs a tile's K is shared among (their partial sums added by the last)
 
 
 @triton.jit(do_not_specialize=["M"])  # one build serves every row count
 def _mma_gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
-    PARTS, COUNTERS, splits, k_per_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):  # fmt: skip
     # y^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T [K, 16]. Rows of W past N are read as row 0
     # (never stored), so only K's tail, where K % BLOCK_K != 0, masks the loads of W.
-    # SPLIT: this program takes K's share `k_per_split` (a whole number of blocks) numbered
-    # program_id(1) of `splits`; the partial sums meet in PARTS (`_split_sums`).
     pid = tl.program_id(0)
-    k_lo, k_hi = 0, K
-    if SPLIT:
-        k_lo = tl.program_id(1) * k_per_split
-        k_hi = tl.minimum(k_lo + k_per_split, K)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
     m_mask, n_mask = rm < M, rn < N
-    w_ptrs = W + tl.where(n_mask, rn, 0)[:, None].to(tl.int64) * stride_wn + k_lo + rk[None, :]
-    x_offs = rm[None, :] * stride_xm + k_lo + rk[:, None]  # x^T: K down, rows of x across
+    w_ptrs = W + tl.where(n_mask, rn, 0)[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_offs = rm[None, :] * stride_xm + rk[:, None]  # x^T: K down, rows of x across
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     squares = tl.zeros((16,), dtype=tl.float32)
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     pdl_wait(PDL)
-    for k in range(k_lo, k_hi, BLOCK_K):
+    for k in range(0, K, BLOCK_K):
         if EVEN_K:
             x_mask = m_mask[None, :]
             w = tl.load(w_ptrs)
@@ -84,7 +73,7 @@ def _mma_gemv_kernel(
         if NORM:  # x + r, rounded to the model dtype as the unfused add is
             xt = xt.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
             xt = xt.to(X.dtype.element_ty)
-            if pid == 0:  # (each split's first tile: its share of K)
+            if pid == 0:
                 tl.store(R_OUT + x_offs, xt, mask=x_mask)
             s = xt.to(tl.float32)
             squares += tl.sum(s * s, axis=0)
@@ -101,12 +90,6 @@ def _mma_gemv_kernel(
         w_ptrs += BLOCK_K
         x_offs += BLOCK_K
     dtype = Y.dtype.element_ty
-    if SPLIT:  # the last of the tile's programs goes on, with the sums of all
-        acc, acc_up, squares, last = _split_sums(
-            PARTS, COUNTERS, splits, acc, acc_up if GATED else acc, squares, BLOCK_N, GATED, NORM
-        )
-        if not last:
-            return
     y = acc
     if NORM:
         rstd = tl.rsqrt(squares / K + eps)[None, :]
@@ -123,61 +106,16 @@ def _mma_gemv_kernel(
     tl.store(y_ptrs, y.to(dtype), mask=m_mask[None, :] & n_mask[:, None])
 
 
-@triton.jit
-def _split_sums(PARTS, COUNTERS, splits, acc, acc_up, squares, BLOCK_N: tl.constexpr,
-                GATED: tl.constexpr, NORM: tl.constexpr):  # fmt: skip
-    """One split's partial sums into the workspace, and its count on its tile's counter; for
-    the last of the tile's `splits` programs, the sums of all (added in split order: the same
-    result on every run) and True, else False. PARTS is [splits, tiles, 2 + GATED, BLOCK_N, 16]
-    in fp32: the sums, the up half's, and the norm's squares (its first row)."""
-    tile, split = tl.program_id(0), tl.program_id(1)
-    tiles = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK_N)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    size = BLOCK_N * 16
-    mine = PARTS + ((split * tiles + tile) * (2 + GATED)).to(tl.int64) * size
-    tl.store(mine + offs, acc)
-    if GATED:
-        tl.store(mine + size + offs, acc_up)
-    if NORM:
-        tl.store(mine + (1 + GATED) * size + tl.arange(0, 16), squares)
-    tl.debug_barrier()  # every thread's sums are written before the count says so
-    last = tl.atomic_add(COUNTERS + tile, 1, sem="acq_rel") == splits - 1
-    if last:
-        acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        squares = tl.zeros((16,), dtype=tl.float32)
-        for s in range(0, splits):
-            theirs = PARTS + ((s * tiles + tile) * (2 + GATED)).to(tl.int64) * size
-            # (read past this SM's L1, which may hold stale lines: other programs wrote them)
-            acc += tl.load(theirs + offs, cache_modifier=".cg")
-            if GATED:
-                acc_up += tl.load(theirs + size + offs, cache_modifier=".cg")
-            if NORM:
-                sq = theirs + (1 + GATED) * size + tl.arange(0, 16)
-                squares += tl.load(sq, cache_modifier=".cg")
-        tl.atomic_xchg(COUNTERS + tile, 0)  # ready for the next call (and graph replay)
-    return acc, acc_up, squares, last
-
-
 def mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
     """The launches the start-up measurement tries, the best of an H100 sweep of 88 tiles
     at 16 rows on SmolLM2-135M's, Qwen3-0.6B's and Qwen3-8B's projections and of the
     per-projection tables at 2-16 rows: 16 features by 256 of K for o, down and the LM head
     (16 by 512 was as fast on down); 64 by 256, three deep, for qkv; for gate_up (twice the
     weights a program) 64 by 64 four deep on the small models and 64 by 256 unpipelined on
-    the 8B. Taking all of a short K in one step was tried and lost, a gated one by 20x.
-    Where the first of them makes fewer than SPLIT_PROGRAMS programs, it is tried split
-    along K too, into as many programs as make about that many."""
+    the 8B. Taking all of a short K in one step was tried and lost, a gated one by 20x."""
     if gated:
-        tried = [MmaBlocks(64, 64, 4, 4), MmaBlocks(64, 256, 4, 1)]
-    else:
-        tried = [MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 256, 4, 3)]
-    if not ENV.GEMV_SPLIT_K.value:
-        return tried
-    tiles = triton.cdiv(n, tried[0].block_n)
-    split = tried[0]._replace(splits=triton.cdiv(SPLIT_PROGRAMS, tiles))
-    splits, _ = _split_k(k, split)
-    return tried + [split._replace(splits=splits)] if splits > 1 else tried
+        return [MmaBlocks(64, 64, 4, 4), MmaBlocks(64, 256, 4, 1)]
+    return [MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 256, 4, 3)]
 
 
 def mma_gemv(
@@ -201,44 +139,12 @@ def mma_gemv(
         assert (
             residual.shape == x.shape and residual.stride() == residual_out.stride() == x.stride()
         )
-    tiles = triton.cdiv(n, blocks.block_n)
-    splits, per_split = _split_k(k, blocks)
-    parts = counters = y  # unused unless split
-    if splits > 1:
-        size = splits * tiles * (2 + gated) * blocks.block_n * 16
-        parts = torch.empty(size, dtype=torch.float32, device=y.device)
-        counters = _tile_counters(y.device, tiles)
-    _mma_gemv_kernel[(tiles, splits)](
+    _mma_gemv_kernel[(triton.cdiv(n, blocks.block_n),)](
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        parts, counters, splits, per_split,
         BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm is not None, EVEN_K=k % blocks.block_k == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=splits > 1,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=blocks.warps, num_stages=blocks.stages, **pdl_launch(pdl),
     )  # fmt: skip
     return y
-
-
-def _split_k(k: int, blocks: MmaBlocks) -> tuple[int, int]:
-    """The programs a tile's K goes to, none of them empty, and each one's share of K (whole
-    blocks): at most `blocks.splits`."""
-    steps = triton.cdiv(k, blocks.block_k)
-    per_split = triton.cdiv(steps, max(1, min(blocks.splits, steps)))
-    return triton.cdiv(steps, per_split), per_split * blocks.block_k
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def _tile_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per tile, kept zero by the kernel itself; one buffer per
-    device, made before any graph is captured (the start-up measurement's first, eager call
-    of each launch comes first), which the launches on one stream use one after another."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < n:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), (
-            "the split-K counters must exist before a CUDA graph is captured"
-        )
-        buf = _counters[device] = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-    return buf
