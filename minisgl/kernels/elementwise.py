@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+from minisgl.kernels.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 MAX_NORM_WIDTH = 65536  # one program holds a whole row in registers
 SILU_BLOCK = 1024  # columns of the output per program: an MLP's width is up to ~25K
@@ -34,6 +34,7 @@ def _rmsnorm_kernel(
     # One program per row. Rows of X are addressed as (token, head) so that a [tokens,
     # heads, head_dim] view of a wider qkv needs no copy; a 2-D X has heads == 1.
     pdl_wait(PDL)
+    pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N

@@ -37,7 +37,7 @@ from minisgl.kernels.attention import (
     decode_num_splits,
 )
 from minisgl.kernels.fp8_attention import _fp16, fp16_dots  # [ch28]
-from minisgl.kernels.pdl import pdl_launch, pdl_wait
+from minisgl.kernels.pdl import pdl_launch, pdl_release, pdl_wait
 from minisgl.kernels.rope_store import _cached
 
 
@@ -132,6 +132,7 @@ def _decode_qkv_kernel(
         q, K, V, PageTable + row * stride_pt, start, end, kv_head, stride_ks, stride_kh,
         stride_vs, stride_vh, offs_d, d_mask, sm_scale, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
     )  # fmt: skip
+    pdl_release(PDL)  # its keys are read: the next kernel may be launched
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]

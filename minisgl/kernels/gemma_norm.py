@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.elementwise import _check_norm_args, _norm_launch, _rmsnorm_kernel
-from minisgl.kernels.pdl import pdl_enabled, pdl_launch, pdl_wait
+from minisgl.kernels.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 
 def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,6 +73,7 @@ def _norm_add_kernel(
     # One program per row, each step rounded to the model dtype as torch's would be:
     # X_OUT = (X + norm(Y) * W) [* S if scaled]; if then, N_OUT = norm(X_OUT) * W2.
     pdl_wait(PDL)
+    pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates, mma_gemv  # [ch26]
-from minisgl.kernels.pdl import pdl_launch, pdl_wait
+from minisgl.kernels.pdl import pdl_launch, pdl_release, pdl_wait
 
 MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
 # >>> ch26 the CUDA cores take up to FMA_ROWS rows; the tensor cores up to MMA_ROWS
@@ -57,13 +57,22 @@ def _gemv_kernel(
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if PDL:  # the first block of weights before the wait: no kernel writes them
+        first_mask = n_mask[:, None] & (rk < K)[None, :]
+        w_first = tl.load(w_ptrs, mask=first_mask, other=0.0)
+        u_first = tl.load(up_ptrs, mask=first_mask, other=0.0) if GATED else w_first
     pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
         k_mask = rk < K - k
         x_mask = m_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if GATED:
-            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if PDL and k == 0:
+            w = w_first
+            if GATED:
+                u = u_first
+        else:
+            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            if GATED:
+                u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(X + x_offs, mask=x_mask, other=0.0)
         if NORM:  # x + r, rounded to the model dtype as the unfused add is
             x = x.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
@@ -80,6 +89,7 @@ def _gemv_kernel(
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_offs += BLOCK_K
+    pdl_release(PDL)  # its weights are read: the next kernel may be launched
     dtype = Y.dtype.element_ty
     y = tl.sum(acc, axis=2)
     if GATED:

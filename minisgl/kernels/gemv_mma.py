@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.pdl import pdl_launch, pdl_wait
+from minisgl.kernels.pdl import pdl_launch, pdl_release, pdl_wait
 
 MMA_ROWS = 16  # rows of x this kernel takes: the narrow side of the tensor cores' product
 
@@ -89,6 +89,7 @@ def _mma_gemv_kernel(
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_offs += BLOCK_K
+    pdl_release(PDL)  # its weights are read: the next kernel may be launched
     dtype = Y.dtype.element_ty
     y = acc
     if NORM:

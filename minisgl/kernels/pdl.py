@@ -5,15 +5,17 @@ A decode step at batch 1 is a chain of short kernels, and between two of them th
 drains the first (its last blocks, the memory flush) before it launches and spreads out
 the blocks of the second: a few microseconds per kernel for no work. A kernel launched
 with `launch_pdl=True` is put on the SMs as soon as every block of the one before has
-signalled (`gdc_launch_dependents`), and waits inside (`gdc_wait`) until that kernel has
-completed and its writes are visible. Waiting first, before any load or store, keeps
-every kernel's reads and writes in stream order; what overlaps is the launch and the
-spreading of blocks over the SMs.
+signalled (`pdl_release`, or ended), and waits inside (`pdl_wait`) until that kernel has
+completed and its writes are visible. The wait comes before any load of what earlier
+kernels write and any store, so every kernel's reads and writes keep stream order; where
+the signal comes decides what overlaps. A short kernel signals at once, so the next is
+launched and spread out while it runs. A GEMV signals once its weights are read, and reads
+its first block of weights before its wait (no kernel writes weights): so the next GEMV's
+weights start to stream in while this one finishes, not while it still needs the bandwidth.
 
 Every kernel launched this way must wait before it touches what earlier kernels write;
 one that never waits must not be launched this way. `MINISGL_PDL` chooses it: off (plain
-launches) or on. Reading a GEMV's first weights before its wait (they are written by no
-kernel) was measured too, and made the step slower. The interpreter never takes it.
+launches) or on. The interpreter never takes it.
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ except ImportError:  # pragma: no cover - older triton: never asked for (pdl_ena
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
-    """Wait for the kernel before this one, then let the one after this be launched."""
+    """Wait for the kernel before this one: its writes are visible after this."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the kernel after this one be launched (once every program has said so or ended)."""
+    if PDL:
         gdc_launch_dependents()
 
 
