@@ -80,6 +80,10 @@ class _Env:
         # small batches run chapter 20's GEMV or the tensor cores' (kernels/gemv_mma.py)
         # where the start-up measurement finds them faster (docs/benchmarks.md)
         self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 16)
+        # a verify batch's attention in our kernels: split (its few new tokens a request over
+        # ranges of keys in parallel, kernels/verify_attention.py) or extend (a program per
+        # query head walks every key, as a prompt's chunk does)
+        self.VERIFY_ATTN = EnvVar.read("VERIFY_ATTN", "extend", choices=("extend", "split"))
         # <<< ch26
         # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused
         # kernels run (triton: 1.07-1.22x faster steps at batch 1-256, docs/benchmarks.md),

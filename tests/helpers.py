@@ -555,3 +555,34 @@ QWEN3_5_PUBLISHED = {
 
 
 # <<< ch31
+
+
+# ---- paged attention: a page table of random pages and the reference the kernels meet --
+ROWS, WIDTH = 8, 320  # page-table rows, and slots a row
+
+
+def paged_table(page_size: int, gen: torch.Generator) -> torch.Tensor:
+    """Every row a random set of whole pages, as the allocator hands them out."""
+    pages = torch.randperm(ROWS * WIDTH // page_size, generator=gen)
+    per_row = WIDTH // page_size
+    table = torch.empty(ROWS, WIDTH, dtype=torch.int32)
+    for r in range(ROWS):
+        own = pages[r * per_row : (r + 1) * per_row]
+        table[r] = (own[:, None] * page_size + torch.arange(page_size)).flatten()
+    return table
+
+
+def attention_reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale) -> torch.Tensor:
+    """Causal attention of each request's new tokens q[qo[i]:qo[i+1]] (its last positions)
+    over its keys, found through row `rows[i]` of the page table: the kernels' reference."""
+    out = torch.empty_like(q)
+    for i, (row, n_kv) in enumerate(zip(rows, seq_lens)):
+        start, end = qo[i], qo[i + 1]
+        slots = table[row, :n_kv].long()
+        keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+        q_pos = torch.arange(n_kv - (end - start), n_kv)
+        mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        ).transpose(0, 1)
+    return out

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TINY, need
+from helpers import ROWS, TINY, WIDTH, attention_reference, need, paged_table
 
 from minisgl.attention.registry import BACKENDS, select_backend
 from minisgl.attention.torch_backend import TorchAttnBackend
@@ -35,34 +35,6 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the 
 
 def on_dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.to(DEV) for t in tensors]
-
-
-ROWS, WIDTH = 8, 320
-
-
-def paged_table(page_size: int, gen: torch.Generator) -> torch.Tensor:
-    """Every row a random set of whole pages, as the allocator hands them out."""
-    pages = torch.randperm(ROWS * WIDTH // page_size, generator=gen)
-    per_row = WIDTH // page_size
-    table = torch.empty(ROWS, WIDTH, dtype=torch.int32)
-    for r in range(ROWS):
-        own = pages[r * per_row : (r + 1) * per_row]
-        table[r] = (own[:, None] * page_size + torch.arange(page_size)).flatten()
-    return table
-
-
-def reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale) -> torch.Tensor:
-    out = torch.empty_like(q)
-    for i, (row, n_kv) in enumerate(zip(rows, seq_lens)):
-        start, end = qo[i], qo[i + 1]
-        slots = table[row, :n_kv].long()
-        keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
-        q_pos = torch.arange(n_kv - (end - start), n_kv)
-        mask = torch.arange(n_kv)[None, :] <= q_pos[:, None]
-        out[start:end] = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        ).transpose(0, 1)
-    return out
 
 
 CASES = [  # (q heads, kv heads, head_dim, page size)
@@ -88,7 +60,8 @@ def test_decode_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) 
                 torch.tensor(seq_lens, dtype=torch.int32)),
         scale,
     ).cpu()  # fmt: skip
-    want = reference(q, k_cache, v_cache, table, rows, seq_lens, list(range(len(rows) + 1)), scale)
+    one_each = list(range(len(rows) + 1))
+    want = attention_reference(q, k_cache, v_cache, table, rows, seq_lens, one_each, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -113,7 +86,7 @@ def test_extend_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) 
                 torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(qo, dtype=torch.int32)),
         max(n for _, n in shape), scale,
     ).cpu()  # fmt: skip
-    want = reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale)
+    want = attention_reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.attention.base import BaseAttnBackend, BaseAttnMetadata
+from minisgl.env import ENV  # [ch26]
 from minisgl.utils import to_device
 
 if TYPE_CHECKING:
@@ -78,9 +79,11 @@ class TritonAttnBackend(BaseAttnBackend):
     ) -> None:
         from minisgl.kernels.decode_attention import decode_attention
         from minisgl.kernels.extend_attention import extend_attention
+        from minisgl.kernels.verify_attention import verify_attention  # [ch26]
 
         super().__init__(kv_cache, page_table, scale, num_qo_heads)
         self.decode_attention, self.extend_attention = decode_attention, extend_attention
+        self.verify_attention = verify_attention  # [ch26]
         self.capture: TritonCaptureData | None = None
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -121,7 +124,10 @@ class TritonAttnBackend(BaseAttnBackend):
                 self.window(layer_id),  # [ch29]
                 *self.kv_cache.scales(layer_id),  # [ch28]
             )
-        return self.extend_attention(
+        extend = self.extend_attention
+        if batch.phase == "verify" and ENV.VERIFY_ATTN.value == "split":  # [ch26]
+            extend = self.verify_attention  # a few tokens a request, split over the keys  # [ch26]
+        return extend(
             q,
             k_cache,
             v_cache,

@@ -16,8 +16,9 @@
 # 1. For each shape of SHAPES (random weights, made on the GPU when missing): decode steps at
 #    BATCHES, the VARIANTS in alternating rounds (tools/bench_latency.py --variants), each
 #    engine measuring its own choice at its start.
-# 2. VERIFY (a shape, none by default): a verify step of 4 and 8 drafts against a decode
-#    step at batch 1 and 4 (tools/bench_verify_cost.py), one process a variant, twice, ABAB.
+# 2. VERIFY (shapes, none by default): a verify step of VERIFY_KS drafts (4,8) against a
+#    decode step at VERIFY_BATCHES (1,4) after prompts of each of VERIFY_LENS tokens (128)
+#    (tools/bench_verify_cost.py), one process a variant, twice, ABAB.
 # 3. What the settings cost a start: an engine on the first shape started from empty
 #    Triton and kernel-choice caches (a fresh machine) and then warm, each variant STARTS
 #    times (2; 0 skips the stage), alternating, with the kernel choice's and the engine's
@@ -33,6 +34,9 @@ ROUNDS=${ROUNDS:-2}
 VARIANTS=${VARIANTS:-r1:GEMV_MAX_ROWS=1;r16:GEMV_MAX_ROWS=16}
 KERNELS=${KERNELS:-}
 VERIFY=${VERIFY:-}
+VERIFY_LENS=${VERIFY_LENS:-128}
+VERIFY_KS=${VERIFY_KS:-4,8}
+VERIFY_BATCHES=${VERIFY_BATCHES:-1,4}
 STARTS=${STARTS:-2}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
 TOKENIZER_FROM=${TOKENIZER_FROM:-.gpu_tok}
@@ -62,16 +66,21 @@ for shape in $SHAPES; do
       --variants "$VARIANTS" --rounds "$ROUNDS" \
       --output-json "$OUT/rows_$shape.json" 2>&1 | grep -E "^\||ms/step|Error" | log
 done
-if [ -n "$VERIFY" ]; then
-  for round in 1 2; do
-    for variant in "${variants[@]}"; do
-      echo "== verify steps, $VERIFY, ${variant%%:*}, round $round ($SECONDS s)" | log
-      env $(settings "$variant") timeout "$BENCH_TIMEOUT" python3 tools/bench_verify_cost.py \
-          --model "/root/$VERIFY" --ks 4,8 --batches 1,4 --input-len 128 --rounds 2 \
-          --output-json "$OUT/verify_${variant%%:*}_$round.json" 2>&1 | grep -E "^\||Error" | log
+for shape in $VERIFY; do
+  [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" \
+      --out "/root/$shape" --tokenizer-from "$TOKENIZER_FROM" --device cuda 2>&1 | tail -1 | log
+  for len in $VERIFY_LENS; do
+    for round in 1 2; do
+      for variant in "${variants[@]}"; do
+        echo "== verify steps, $shape, $len prompt tokens, ${variant%%:*}, round $round ($SECONDS s)" | log
+        env $(settings "$variant") timeout "$BENCH_TIMEOUT" python3 tools/bench_verify_cost.py \
+            --model "/root/$shape" --ks "$VERIFY_KS" --batches "$VERIFY_BATCHES" --input-len "$len" \
+            --rounds 2 --output-json "$OUT/verify_${shape}_${len}_${variant%%:*}_$round.json" 2>&1 |
+          grep -E "^\||Error" | log
+      done
     done
   done
-fi
+done
 for i in $(seq 1 "$STARTS"); do
   for variant in "${variants[@]}"; do
     caches=$(mktemp -d)

@@ -1,0 +1,206 @@
+"""Attention for a verify batch: a few new tokens a request over a long context, split-KV.
+
+A verify checks each request's last token and its k drafts: k + 1 new tokens over a
+context of hundreds or thousands of keys. The extend kernel gives each (request, query
+head) one program that walks every key in turn, so at batch 1 a model of 9 query heads
+runs 9 programs on a GPU of 132 SMs, and the walk grows with the context; a decode step's
+split-KV kernel cuts the keys into ranges handled in parallel and stays flat. Here the
+verify gets the decode kernel's plan with its few tokens inside each program:
+
+- one program per (request, KV head, block of new tokens, range of keys); its rows are the
+  block's tokens times the query heads of its KV head, so each key is loaded once for all
+  of them (grouped-query attention, as in decode);
+- causal: the new token j of a request (position prefix + j) sees keys up to its own
+  position, so the drafts see the ones before them; a program's range of keys ends at its
+  block's last position, and a row that sees none of a range weighs nothing in the merge;
+- the splits merge as in the one-kernel decode (fused_decode.py): each program writes its
+  partial output and log-sum-exp, counts itself in, and the last of its (request, KV head,
+  block) merges them; a context short enough for one range writes the output directly.
+
+Lengths are read on the device and the grid depends only on the batch's size and its
+longest run of new tokens, so a verify graph captures it. The keys and values of the new
+tokens are in the KV pool already (the rotary-and-store kernel runs first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from minisgl.kernels.attention import (
+    NO_WINDOW,  # [ch29]
+    _attend_block,
+    decode_launch,
+    decode_num_splits,
+)
+from minisgl.kernels.fp8_attention import _fp16, fp16_dots  # [ch28]
+from minisgl.kernels.fused_decode import MIN_SPLIT_KEYS, _load_cg, _split_counters
+from minisgl.kernels.tile_fit import fit_launch  # [ch29]
+
+# Query rows a program holds (tokens x query heads of a KV head) times head_dim, at most:
+# 64 rows of 128, whose fp32 accumulator four warps hold in registers (64 numbers a thread).
+MAX_ROW_DIMS = 64 * 128
+MAX_TOKENS = 16  # new tokens a program takes at most
+MIN_SPLIT = MIN_SPLIT_KEYS  # keys a range holds at least, as in decode
+ACC_PER_WARP = 64 * 32  # accumulator numbers a warp holds: 64 a thread, as in decode
+
+
+@triton.jit
+def _verify_kernel(
+    Q, K, V, Out, PageTable, Rows, SeqLens, QoIndptr, OutPartial, LsePartial, Counters,
+    sm_scale,
+    v_scale,  # an FP8 cache's values: stored * v_scale (k_scale is in sm_scale)  # [ch28]
+    window,  # keys older than the last `window` positions are not attended  # [ch29]
+    q_blocks,
+    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
+    stride_ot, stride_oh, stride_pt_, stride_ph, stride_ps, stride_lt, stride_lh,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
+    FP16_DOTS: tl.constexpr = False,  # [ch28]
+):  # fmt: skip
+    b, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_head, block = pid // q_blocks, pid % q_blocks
+    q_start = tl.load(QoIndptr + b)
+    q_len = tl.load(QoIndptr + b + 1) - q_start
+    if block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(SeqLens + b)
+    prefix = seq_len - q_len  # the new tokens are the last q_len positions
+    # Keys this block's rows may see: up to its last token's position.
+    keys = tl.minimum(seq_len, prefix + (block + 1) * BLOCK_Q)
+    first = 0
+    first = tl.maximum(prefix + block * BLOCK_Q - window + 1, 0)  # its first row's window  # [ch29]
+    per_split = tl.maximum(tl.cdiv(keys - first, NUM_SPLITS), MIN_SPLIT)
+    used = tl.cdiv(keys - first, per_split)  # ranges that hold keys; the rest have nothing to do
+    if split >= used:
+        return
+    start = first + split * per_split
+    end = tl.minimum(start + per_split, keys)
+
+    offs_r = tl.arange(0, BLOCK_R)  # rows: BLOCK_Q tokens times the GROUP heads, then padding
+    j = block * BLOCK_Q + offs_r // GROUP  # the row's new token, within its request
+    h = offs_r % GROUP
+    r_mask = (offs_r < BLOCK_Q * GROUP) & (j < q_len)
+    tokens = (q_start + j).to(tl.int64)
+    heads = kv_head * GROUP + h
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    mask = r_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        Q + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=mask,
+        other=0.0,
+    )
+    if FP16_DOTS:  # [ch28]
+        q = _fp16(q)  # [ch28]
+    q_pos = prefix + j
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    table_row = PageTable + tl.load(Rows + b).to(tl.int64) * stride_pt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        slots = tl.load(table_row + offs_n, mask=n_mask, other=0).to(tl.int64)
+        visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        visible &= offs_n[None, :] > q_pos[:, None] - window  # [ch29]
+        m_i, l_i, acc = _attend_block(
+            q, K, V, slots, kv_head, stride_ks, stride_kh, stride_vs, stride_vh, offs_d,
+            n_mask[:, None] & d_mask[None, :], visible, sm_scale, m_i, l_i, acc, IEEE,
+        )  # fmt: skip
+
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = out * v_scale  # [ch28]
+    out_ptrs = Out + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    if used == 1:
+        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask)
+    else:
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        partial = OutPartial + tokens[:, None] * stride_pt_ + heads[:, None] * stride_ph
+        partial += offs_d[None, :]
+        tl.store(partial + split * stride_ps, out, mask=mask)
+        lse_ptrs = LsePartial + tokens * stride_lt + heads * stride_lh
+        tl.store(lse_ptrs + split, lse, mask=r_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        counter = Counters + (b * KV_HEADS + kv_head) * q_blocks + block
+        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:  # the last one
+            top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            for s in range(0, used):
+                top = tl.maximum(top, _load_cg(lse_ptrs + s, r_mask))
+            # A row past its request's tokens (masked) has -inf everywhere: keep it finite.
+            top = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.zeros([BLOCK_R], tl.float32)
+            merged = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+            for s in range(0, used):
+                w = tl.exp(_load_cg(lse_ptrs + s, r_mask) - top)
+                merged += _load_cg(partial + s * stride_ps, mask) * w[:, None]
+                total += w
+            total = tl.where(total > 0, total, 1.0)
+            tl.store(out_ptrs, (merged / total[:, None]).to(Out.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next verify (and graph replay)
+
+
+def verify_blocks(group: int, max_extend_len: int, head_dim: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_R): new tokens a program, as many as the longest run of them (at most
+    MAX_TOKENS, and as many rows as MAX_ROW_DIMS / head_dim), and its rows, those tokens
+    times the group's query heads padded to a power of two, at least 16 (a dot's least)."""
+    most = MAX_ROW_DIMS // triton.next_power_of_2(head_dim)
+    block_q = min(max(max_extend_len, 1), MAX_TOKENS, max(1, most // group))
+    return block_q, max(16, triton.next_power_of_2(block_q * group))
+
+
+def verify_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    window: int | None = None,  # [ch29]
+    k_scale: float = 1.0,  # an FP8 cache's keys and values are stored * these  # [ch28]
+    v_scale: float = 1.0,  # [ch28]
+) -> torch.Tensor:
+    """`extend_attention`'s result, split over the keys: q [tokens, q_heads, head_dim],
+    request i's new tokens q[qo_indptr[i]:qo_indptr[i+1]], the last positions of its
+    `seq_lens[i]`; at most `max_extend_len` new tokens a request; window: each token attends
+    to the last `window` positions up to its own only."""
+    sm_scale *= k_scale  # [ch28]
+    tokens, q_heads, head_dim = q.shape
+    bs, kv_heads = rows.size(0), k_cache.size(1)
+    group = q_heads // kv_heads
+    block_q, block_r = verify_blocks(group, max_extend_len, head_dim)
+    q_blocks = triton.cdiv(max(max_extend_len, 1), block_q)
+    splits = decode_num_splits(bs, kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    out = torch.empty_like(q)
+    partial = torch.empty(tokens, q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(tokens, q_heads, splits, dtype=torch.float32, device=q.device)
+    counters = _split_counters(q.device, bs * kv_heads * q_blocks)
+    launch = decode_launch(bs, k_cache.dtype)
+    launch = replace(launch, warps=max(launch.warps, min(8, block_r * block_d // ACC_PER_WARP)))
+    launch = fit_launch(launch, block_r, head_dim, q.dtype, k_cache.dtype)  # [ch29]
+    _verify_kernel[(bs, kv_heads * q_blocks, splits)](
+        q, k_cache, v_cache, out, page_table, rows, seq_lens, qo_indptr, partial, lse, counters,
+        sm_scale,
+        v_scale,  # [ch28]
+        window or NO_WINDOW,  # [ch29]
+        q_blocks,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), page_table.stride(0), out.stride(0), out.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        KV_HEADS=kv_heads, GROUP=group, BLOCK_Q=block_q, BLOCK_R=block_r,
+        BLOCK_N=launch.block_n, HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits,
+        MIN_SPLIT=MIN_SPLIT, IEEE=q.dtype == torch.float32, **launch.options(),
+        FP16_DOTS=fp16_dots(q.dtype, k_cache.dtype),  # [ch28]
+    )  # fmt: skip
+    return out

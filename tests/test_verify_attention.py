@@ -1,0 +1,126 @@
+"""The verify batch's split-KV attention (kernels/verify_attention.py) against the reference,
+on CPU in Triton's interpreter: a few new tokens a request (a verify's last token and its
+drafts) over contexts short enough for one range of keys and long enough to be split and
+merged, grouped-query attention, the padding a verify graph adds (a zero-length request),
+and an engine whose verifies take it giving the tokens of one that runs the extend kernel."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from helpers import ROWS, TINY, WIDTH, attention_reference, need, paged_table
+
+from minisgl.kernels.extend_attention import extend_attention
+from minisgl.kernels.fused_decode import MIN_SPLIT_KEYS
+from minisgl.kernels.verify_attention import verify_attention, verify_blocks
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs a GPU or Triton's interpreter",
+)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the kernels run
+
+
+def on_dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEV) for t in tensors]
+
+
+def _batch(shape, q_heads, kv_heads, head_dim, page_size, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    table = paged_table(page_size, gen)
+    k_cache = torch.randn(ROWS * WIDTH, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(ROWS * WIDTH, kv_heads, head_dim, generator=gen).to(dtype)
+    rows = list(range(len(shape)))[::-1]
+    seq_lens = [p + n for p, n in shape]
+    qo = [0]
+    for _, n in shape:
+        qo.append(qo[-1] + n)
+    q = torch.randn(qo[-1], q_heads, head_dim, generator=gen).to(dtype)
+    ints = [torch.tensor(x, dtype=torch.int32) for x in (rows, seq_lens, qo)]
+    args = (q, k_cache, v_cache, table, *ints)
+    return args, rows, seq_lens, qo, max(n for _, n in shape)
+
+
+# (q heads, kv heads, head_dim, page size): SmolLM2's group of 3, Qwen3's 2, none, 8
+CASES = [(6, 2, 32, 16), (4, 2, 16, 1), (4, 4, 24, 16), (8, 1, 16, 64)]
+# (cached prefix, new tokens): a verify of 8 drafts past one range of keys (split and
+# merged), of 4 within one, a request without drafts, a zero-length slot (a graph's
+# padding), drafts that start a range of their own, and one of 15 drafts
+SHAPE = [(300, 9), (20, 5), (57, 1), (1, 0), (2 * MIN_SPLIT_KEYS - 3, 9), (160, 16)]
+
+
+@pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim", "page_size"), CASES)
+def test_verify_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) -> None:
+    args, rows, seq_lens, qo, longest = _batch(SHAPE, q_heads, kv_heads, head_dim, page_size,
+                                               seed=q_heads * 31 + head_dim)  # fmt: skip
+    scale = head_dim**-0.5
+    got = verify_attention(*on_dev(*args), longest, scale).cpu()
+    want = attention_reference(*args[:4], rows, seq_lens, qo, scale)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("head_dim", [32, 512])
+def test_verify_kernel_in_bf16_matches_extend_kernel(head_dim) -> None:
+    """In the model's dtype, as a GPU runs it: within the rounding of the extend kernel's;
+    and Gemma 4's heads of 512, whose launch is fitted to a block's memory."""
+    args, *_, longest = _batch(SHAPE[:3], 8, 2, head_dim, 16, seed=5, dtype=torch.bfloat16)
+    got = verify_attention(*on_dev(*args), longest, head_dim**-0.5).float().cpu()
+    want = extend_attention(*on_dev(*args), longest, head_dim**-0.5).float().cpu()
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+# >>> ch29 sliding windows
+@pytest.mark.parametrize("window", [1, 7, 150])
+def test_verify_kernel_with_a_window_matches_extend_kernel(window) -> None:
+    """A sliding layer's window (each token sees the last `window` positions up to its own):
+    as the extend kernel, which the window tests check against the reference."""
+    args, *_, longest = _batch(SHAPE, 6, 2, 32, 16, seed=window)
+    got = verify_attention(*on_dev(*args), longest, 32**-0.5, window).cpu()
+    want = extend_attention(*on_dev(*args), longest, 32**-0.5, window).cpu()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+# <<< ch29
+def test_blocks_take_the_longest_run_in_at_least_sixteen_rows_that_fit_the_accumulator() -> None:
+    for group in (1, 2, 3, 4, 8, 16):
+        for n in (1, 2, 5, 9, 16, 24, 72):
+            for head_dim in (64, 128, 256, 512):
+                block_q, rows = verify_blocks(group, n, head_dim)
+                assert rows >= max(16, block_q * group) and rows & (rows - 1) == 0
+                assert block_q <= min(n, 16) and (block_q == n or block_q * group * 2 > rows)
+                assert rows * head_dim <= max(64 * 128, 16 * head_dim), (group, n, head_dim)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's interpreter")
+def test_speculating_engine_through_the_split_kernel_gives_plain_tokens(monkeypatch) -> None:
+    """Greedy n-gram speculation on a tiny model with our kernels: verifies through the
+    split kernel (in emulated verify graphs with their padding, and eagerly in the graphs'
+    warm-ups) give the tokens of plain decoding."""
+    from minisgl.core import SamplingParams
+    from minisgl.env import ENV
+    from minisgl.kernels import verify_attention as module
+    from minisgl.llm import LLM
+
+    calls = []
+    real = module.verify_attention
+    monkeypatch.setattr(module, "verify_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(ENV.VERIFY_ATTN, "value", "split")
+    gen = torch.Generator().manual_seed(3)
+    stem = torch.randint(0, 1000, (12,), generator=gen).tolist()
+    prompts = [stem * 2 + stem[:3], stem[:5] * 3]  # repeats: the n-gram drafts from them
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    kw = dict(dtype=torch.float32, device="cpu", attention_backend="triton", page_size=4,
+              max_running_req=4, max_seq_len_override=96, cuda_graph_max_bs=2)  # fmt: skip
+    outs = {}
+    for spec in ("off", "ngram"):
+        llm = LLM(str(need(TINY["qwen3"])), **kw, speculative=spec, speculative_always=True)
+        try:
+            outs[spec] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+            if spec == "ngram":
+                assert llm.scheduler.spec.num_accepted > 0
+                assert llm.engine.graph_runner.graphs("verify")
+        finally:
+            llm.shutdown()
+    assert calls and outs["ngram"] == outs["off"]
