@@ -18,7 +18,7 @@
 #    engine measuring its own choice at its start.
 # 2. VERIFY (shapes, none by default): a verify step of VERIFY_KS drafts (4,8) against a
 #    decode step at VERIFY_BATCHES (1,4) after prompts of each of VERIFY_LENS tokens (128)
-#    (tools/bench_verify_cost.py), one process a variant, twice, ABAB.
+#    (tools/bench_verify_cost.py), one process a variant, VERIFY_ROUNDS times (2), ABAB.
 # 3. What the settings cost a start: an engine on the first shape started from empty
 #    Triton and kernel-choice caches (a fresh machine) and then warm, each variant STARTS
 #    times (2; 0 skips the stage), alternating, with the kernel choice's and the engine's
@@ -37,6 +37,7 @@ VERIFY=${VERIFY:-}
 VERIFY_LENS=${VERIFY_LENS:-128}
 VERIFY_KS=${VERIFY_KS:-4,8}
 VERIFY_BATCHES=${VERIFY_BATCHES:-1,4}
+VERIFY_ROUNDS=${VERIFY_ROUNDS:-2}
 STARTS=${STARTS:-2}
 BENCH_TIMEOUT=${BENCH_TIMEOUT:-400}
 TOKENIZER_FROM=${TOKENIZER_FROM:-.gpu_tok}
@@ -70,7 +71,7 @@ for shape in $VERIFY; do
   [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" \
       --out "/root/$shape" --tokenizer-from "$TOKENIZER_FROM" --device cuda 2>&1 | tail -1 | log
   for len in $VERIFY_LENS; do
-    for round in 1 2; do
+    for round in $(seq 1 "$VERIFY_ROUNDS"); do
       for variant in "${variants[@]}"; do
         echo "== verify steps, $shape, $len prompt tokens, ${variant%%:*}, round $round ($SECONDS s)" | log
         env $(settings "$variant") timeout "$BENCH_TIMEOUT" python3 tools/bench_verify_cost.py \
