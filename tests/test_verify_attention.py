@@ -61,6 +61,20 @@ def test_verify_kernel_equals_reference(q_heads, kv_heads, head_dim, page_size) 
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(("block_tokens", "min_split"), [(4, 16), (2, 64), (3, 128)])
+def test_verify_kernel_with_blocks_of_tokens_and_short_ranges(monkeypatch, block_tokens, min_split):
+    """A request's tokens over several programs (a verify graph's filler takes as many blocks
+    as its tokens need; sweeps try smaller blocks) and many ranges of keys: the reference."""
+    from minisgl.kernels import verify_attention as module
+
+    monkeypatch.setattr(module, "BLOCK_TOKENS", block_tokens)
+    monkeypatch.setattr(module, "MIN_SPLIT", min_split)
+    args, rows, seq_lens, qo, longest = _batch(SHAPE, 6, 2, 32, 16, seed=block_tokens)
+    got = verify_attention(*on_dev(*args), longest, 32**-0.5).cpu()
+    want = attention_reference(*args[:4], rows, seq_lens, qo, 32**-0.5)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("head_dim", [32, 512])
 def test_verify_kernel_in_bf16_matches_extend_kernel(head_dim) -> None:
     """In the model's dtype, as a GPU runs it: within the rounding of the extend kernel's;

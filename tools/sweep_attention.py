@@ -7,14 +7,20 @@ split-KV attention and the merge), timed inside a CUDA graph of 20 calls for eac
 the split-KV attention and merge alone (kernels/decode_attention.py, what Gemma 4's layers
 run), over the last `--window` positions if given. Extend is one prompt of
 `--extend-lens` new tokens with no cached prefix, as a chunked prefill's first chunk,
-timed eagerly, as TFLOP/s of the causal half. Each table row is one launch; the current
-default is marked. A launch that does not compile (too much shared memory) is listed as
+timed eagerly, as TFLOP/s of the causal half. Verify (`--verify`) is a batch of requests
+that each bring `tokens` new tokens (a verify's last token and its drafts) after a context,
+timed in a CUDA graph: the extend kernel as the engine launches it, then the split kernel
+(kernels/verify_attention.py) at each of `--verify-block-tokens` new tokens a program and
+`--verify-min-split` keys a range at least, under each launch. Each table row is one launch;
+the current default is marked. A launch that does not compile (too much shared memory) is listed as
 failed. Defaults change in kernels/attention.py (`decode_launch`, `extend_launch`) only
 after a sweep on the GPU.
 
     python tools/sweep_attention.py --kv-dtypes bfloat16,fp8_e4m3 --decode 256x1024,64x1024
     python tools/sweep_attention.py --kernel split --q-heads 8 --kv-heads 2 --head-dim 256 \
         --window 512 --kv-dtypes bfloat16 --decode 128x1024,256x1024 --extend-lens ""
+    python tools/sweep_attention.py --q-heads 9 --kv-heads 3 --head-dim 64 --decode "" \
+        --extend-lens "" --kv-dtypes bfloat16 --verify 1x137x9,1x521x9,1x2057x9,4x521x9
     TRITON_INTERPRET=1 python tools/sweep_attention.py --device cpu --smoke
 """
 
@@ -33,6 +39,7 @@ from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
 from minisgl.kernels.tile_fit import fit_launch
+from minisgl.kernels.verify_attention import verify_attention
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -121,6 +128,60 @@ class Shape:
 
         return run
 
+    def verify(self, bs: int, ctx: int, tokens: int):
+        """(extend, split): `bs` requests of `tokens` new tokens each, the last of `ctx`."""
+        a, dev = self.args, self.args.device
+        q = torch.randn(bs * tokens, a.q_heads, a.head_dim, device=dev, dtype=a.dtype)
+        rows = torch.arange(bs, dtype=torch.int32, device=dev)
+        seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
+        qo = torch.arange(0, bs * tokens + 1, tokens, dtype=torch.int32, device=dev)
+        args = (q, self.k, self.v, self.table, rows, seq_lens, qo, tokens, a.head_dim**-0.5)
+        return (lambda: extend_attention(*args)), (lambda: verify_attention(*args))
+
+
+def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: bool) -> list:
+    """The extend kernel's time, then the split kernel's under every setting and launch."""
+    from minisgl.kernels import verify_attention as va
+
+    extend, split = shape.verify(bs, ctx, tokens)
+    base = timed(extend, args.iters, graph)
+    found = [{"kernel": "extend", "ms": base}]
+    print(f"extend (the default): {base * 1e3:.1f} us")
+    print("| tokens a program | min keys a range | block_n | warps | stages | us | vs extend |")
+    print("|---|---|---|---|---|---|---|")
+    launches = [None] + [
+        attn.Launch(n, w, s or None)
+        for n, w, s in itertools.product(args.block_n, args.warps, args.stages)
+    ]
+    saved = va.BLOCK_TOKENS, va.MIN_SPLIT
+    try:
+        for block_tokens, min_split in itertools.product(
+            args.verify_block_tokens, args.verify_min_split
+        ):
+            va.BLOCK_TOKENS, va.MIN_SPLIT = block_tokens or None, min_split
+            for launch in launches:
+                try:
+                    if launch is None:  # as the engine launches it
+                        ms = timed(split, args.iters, graph)
+                    else:
+                        with attn.launch_override("decode", launch):
+                            ms = timed(split, args.iters, graph)
+                except Exception as e:  # out of shared memory  # noqa: BLE001
+                    print(f"  {block_tokens}, {min_split}, {launch}: failed ({type(e).__name__})")
+                    continue
+                n, w, st = (launch.block_n, launch.warps, launch.stages) if launch else ("-",) * 3
+                print(f"| {block_tokens or tokens} | {min_split} | {n} | {w} | {st} | "
+                      f"{ms * 1e3:.1f} | {base / ms:.2f}x |")  # fmt: skip
+                found.append({"block_tokens": block_tokens, "min_split": min_split,
+                              "launch": vars(launch) if launch else None, "ms": ms})  # fmt: skip
+    finally:
+        va.BLOCK_TOKENS, va.MIN_SPLIT = saved
+    best = min(found[1:], key=lambda r: r["ms"], default=None)
+    if best:
+        gain = base / best["ms"]
+        print(f"best {best['ms'] * 1e3:.1f} us ({gain:.2f}x the extend kernel): {best}")
+    return found
+
 
 def sweep(kind: str, launches: list[attn.Launch], default: attn.Launch, fn, iters, graph, work):
     """[(launch, ms or None)] for each launch, the default first."""
@@ -170,6 +231,10 @@ def main() -> None:
     p.add_argument("--extend-warps", type=ints, default=[4, 8])
     p.add_argument("--extend-stages", type=ints, default=[0, 2, 3])
     p.add_argument("--extend-kv-dtypes", help="default: --kv-dtypes")
+    p.add_argument("--verify", default="", help="BATCHxCONTEXTxTOKENS,...: verify batches")
+    p.add_argument("--verify-block-tokens", type=ints, default=[0, 4, 2],
+                   help="new tokens a program (0: the run's own)")  # fmt: skip
+    p.add_argument("--verify-min-split", type=ints, default=[128, 256, 512])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny sizes and two launches (CPU)")
     p.add_argument("--output-json")
@@ -179,8 +244,10 @@ def main() -> None:
     args.device = torch.device(args.device)
     graph = args.device.type == "cuda"
     decode = [tuple(int(x) for x in s.split("x")) for s in args.decode.split(",") if s]
+    verify = [tuple(int(x) for x in s.split("x")) for s in args.verify.split(",") if s]
     if args.smoke:
         decode, args.extend_lens, args.iters = [(2, 40)], [24], 1
+        verify, args.verify_block_tokens, args.verify_min_split = [(2, 40, 5)], [0, 2], [16]
         args.block_n, args.warps, args.stages = [16, 32], [2], [0]
         args.extend_block_m, args.extend_block_n = [16], [16, 32]
         args.extend_warps, args.extend_stages = [4], [0]
@@ -204,6 +271,14 @@ def main() -> None:
             default = fit_launch(default, args.q_heads // args.kv_heads, d, args.dtype, kv_dtype)
             results[f"decode {name} {bs}x{ctx}"] = sweep(
                 "decode", launches, default, shape.decode(bs, ctx), args.iters, graph, work
+            )
+            del shape
+    for name in args.kv_dtypes.split(","):
+        for bs, ctx, tokens in verify:
+            shape = Shape(args, KV_DTYPES[name], bs, ctx)
+            print(f"\n== verify, K/V {name}, batch {bs} x {tokens} new tokens, context {ctx}")
+            results[f"verify {name} {bs}x{ctx}x{tokens}"] = sweep_verify(
+                args, shape, bs, ctx, tokens, KV_DTYPES[name], graph
             )
             del shape
     for name in (args.extend_kv_dtypes or args.kv_dtypes).split(","):

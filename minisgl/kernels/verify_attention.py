@@ -33,6 +33,7 @@ import triton.language as tl
 from minisgl.kernels.attention import (
     NO_WINDOW,  # [ch29]
     _attend_block,
+    _override,
     decode_launch,
     decode_num_splits,
 )
@@ -44,7 +45,10 @@ from minisgl.kernels.tile_fit import fit_launch  # [ch29]
 # 64 rows of 128, whose fp32 accumulator four warps hold in registers (64 numbers a thread).
 MAX_ROW_DIMS = 64 * 128
 MAX_TOKENS = 16  # new tokens a program takes at most
-MIN_SPLIT = MIN_SPLIT_KEYS  # keys a range holds at least, as in decode
+# Keys a range holds at least (as in decode), and new tokens a program takes (None: as many
+# as the longest run, up to MAX_TOKENS): tools/sweep_attention.py --verify sets them.
+MIN_SPLIT = MIN_SPLIT_KEYS
+BLOCK_TOKENS: int | None = None
 ACC_PER_WARP = 64 * 32  # accumulator numbers a warp holds: 64 a thread, as in decode
 
 
@@ -152,7 +156,7 @@ def verify_blocks(group: int, max_extend_len: int, head_dim: int) -> tuple[int, 
     MAX_TOKENS, and as many rows as MAX_ROW_DIMS / head_dim), and its rows, those tokens
     times the group's query heads padded to a power of two, at least 16 (a dot's least)."""
     most = MAX_ROW_DIMS // triton.next_power_of_2(head_dim)
-    block_q = min(max(max_extend_len, 1), MAX_TOKENS, max(1, most // group))
+    block_q = min(BLOCK_TOKENS or max(max_extend_len, 1), MAX_TOKENS, max(1, most // group))
     return block_q, max(16, triton.next_power_of_2(block_q * group))
 
 
@@ -187,7 +191,8 @@ def verify_attention(
     lse = torch.empty(tokens, q_heads, splits, dtype=torch.float32, device=q.device)
     counters = _split_counters(q.device, bs * kv_heads * q_blocks)
     launch = decode_launch(bs, k_cache.dtype)
-    launch = replace(launch, warps=max(launch.warps, min(8, block_r * block_d // ACC_PER_WARP)))
+    if "decode" not in _override:  # a sweep's launch as asked; else enough warps for the rows
+        launch = replace(launch, warps=max(launch.warps, min(8, block_r * block_d // ACC_PER_WARP)))
     launch = fit_launch(launch, block_r, head_dim, q.dtype, k_cache.dtype)  # [ch29]
     _verify_kernel[(bs, kv_heads * q_blocks, splits)](
         q, k_cache, v_cache, out, page_table, rows, seq_lens, qo_indptr, partial, lse, counters,

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A verify batch's attention, split over the keys (kernels/verify_attention.py) against the
+# extend kernel, in one call (docs/benchmarks.md, "A verify's attention split over the keys"):
+#
+#   OUT=/tmp/out VERIFY_SHAPES= bash tools/recipes/verify_attention_h200.sh   # stage 1, ~5 min
+#   OUT=/tmp/out SWEEP=0 bash tools/recipes/verify_attention_h200.sh          # stage 2, ~6 min
+#
+# 1. The kernels alone (tools/sweep_attention.py --verify), the heads of SmolLM2-135M (9/3 of
+#    64), Qwen3-0.6B (16/8 of 128) and Qwen3-8B (32/8 of 128): 8 drafts a request (9 new
+#    tokens) after contexts of 128, 512, 2,048 and 8,192 tokens at batch 1, 4 and 8, each
+#    setting of the split kernel (new tokens a program, keys a range at least) under a few
+#    launches, against the extend kernel as the engine launches it.
+# 2. The verify step (tools/bench_verify_cost.py through gemv_rows_h200.sh's verify stage):
+#    MINISGL_VERIFY_ATTN=extend against split, one process each, alternated twice, on the
+#    VERIFY_SHAPES (random weights, made on the GPU; SmolLM2-135M's and Qwen3-8B's) after
+#    prompts of VERIFY_LENS tokens (128 and 2,048).
+#
+# TOKENIZER_FROM: a folder with SmolLM2's tokenizer files (prompts are random ids anyway).
+set -u
+OUT=${OUT:?set OUT to a folder for the results}
+VERIFY_LENS=${VERIFY_LENS:-128 2048}
+VERIFY_SHAPES=${VERIFY_SHAPES-smollm2-135m qwen3-8b}
+SWEEP=${SWEEP:-1}
+export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
+mkdir -p "$OUT"
+log() { tee -a "$OUT/run.log"; }
+git log -1 --format='commit %h %s' 2>/dev/null | log
+nvidia-smi -L 2>/dev/null | log
+if [ "$SWEEP" = 1 ]; then
+  shapes=(9x3x64:smollm2 16x8x128:qwen3-0.6b 32x8x128:qwen3-8b)
+  batches="1x137x9,1x521x9,1x2057x9,1x8201x9,4x521x9,4x2057x9,8x521x9,8x2057x9"
+  for s in "${shapes[@]}"; do
+    IFS=x read -r h kv d <<< "${s%%:*}"
+    echo "== the kernels alone, ${s#*:}'s heads ($SECONDS s)" | log
+    timeout 300 python3 tools/sweep_attention.py --q-heads "$h" --kv-heads "$kv" --head-dim "$d" \
+        --kv-dtypes bfloat16 --decode "" --extend-lens "" --verify "$batches" \
+        --verify-block-tokens 0,4 --block-n 32,64 --warps 2,4 --stages 0 --output-json "$OUT/sweep_${s#*:}.json" 2>&1 |
+      grep -E "^==|^extend|^best|failed" | log
+  done
+fi
+[ -n "$VERIFY_SHAPES" ] && OUT=$OUT/steps SHAPES= VERIFY="$VERIFY_SHAPES" VERIFY_LENS="$VERIFY_LENS" VERIFY_KS=8 \
+  VERIFY_BATCHES=1,4 STARTS=0 BENCH_TIMEOUT=200 \
+  VARIANTS="extend:VERIFY_ATTN=extend;split:VERIFY_ATTN=split" \
+  bash tools/recipes/gemv_rows_h200.sh 2>&1 | grep -E "^==|^\| [0-9]+ \| [0-9]+ \||rror" | log
+echo "done at $SECONDS s" | log
