@@ -97,13 +97,15 @@ def test_verify_kernel_with_a_window_matches_extend_kernel(window) -> None:
 
 
 # <<< ch29
-def test_blocks_take_the_longest_run_in_at_least_sixteen_rows_that_fit_the_accumulator() -> None:
+def test_blocks_take_the_longest_run_in_powers_of_two_and_rows_that_fit_the_accumulator() -> None:
     for group in (1, 2, 3, 4, 8, 16):
         for n in (1, 2, 5, 9, 16, 24, 72):
             for head_dim in (64, 128, 256, 512):
                 block_q, rows = verify_blocks(group, n, head_dim)
                 assert rows >= max(16, block_q * group) and rows & (rows - 1) == 0
-                assert block_q <= min(n, 16) and (block_q == n or block_q * group * 2 > rows)
+                assert block_q & (block_q - 1) == 0 and block_q <= 16  # few variants to build
+                fits = max(1, 64 * 128 // head_dim // group)  # the rows the accumulator holds
+                assert block_q >= min(n, 16, fits) / 2 and block_q * group <= max(fits * group, 1)
                 assert rows * head_dim <= max(64 * 128, 16 * head_dim), (group, n, head_dim)
 
 

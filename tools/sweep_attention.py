@@ -170,7 +170,8 @@ def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: b
                     print(f"  {block_tokens}, {min_split}, {launch}: failed ({type(e).__name__})")
                     continue
                 n, w, st = (launch.block_n, launch.warps, launch.stages) if launch else ("-",) * 3
-                print(f"| {block_tokens or tokens} | {min_split} | {n} | {w} | {st} | "
+                took = va.verify_blocks(args.q_heads // args.kv_heads, tokens, args.head_dim)[0]
+                print(f"| {took} | {min_split} | {n} | {w} | {st} | "
                       f"{ms * 1e3:.1f} | {base / ms:.2f}x |")  # fmt: skip
                 found.append({"block_tokens": block_tokens, "min_split": min_split,
                               "launch": vars(launch) if launch else None, "ms": ms})  # fmt: skip
@@ -233,7 +234,7 @@ def main() -> None:
     p.add_argument("--extend-kv-dtypes", help="default: --kv-dtypes")
     p.add_argument("--verify", default="", help="BATCHxCONTEXTxTOKENS,...: verify batches")
     p.add_argument("--verify-block-tokens", type=ints, default=[0, 4, 2],
-                   help="new tokens a program (0: the run's own)")  # fmt: skip
+                   help="new tokens a program (0: as the engine takes them)")  # fmt: skip
     p.add_argument("--verify-min-split", type=ints, default=[128, 256, 512])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="tiny sizes and two launches (CPU)")

@@ -60,7 +60,7 @@ def _verify_kernel(
     window,  # keys older than the last `window` positions are not attended  # [ch29]
     q_blocks,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_pt,
-    stride_ot, stride_oh, stride_pt_, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_ot, stride_oh, stride_pq, stride_ph, stride_ps, stride_lt, stride_lh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
@@ -127,7 +127,7 @@ def _verify_kernel(
         tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask)
     else:
         lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        partial = OutPartial + tokens[:, None] * stride_pt_ + heads[:, None] * stride_ph
+        partial = OutPartial + tokens[:, None] * stride_pq + heads[:, None] * stride_ph
         partial += offs_d[None, :]
         tl.store(partial + split * stride_ps, out, mask=mask)
         lse_ptrs = LsePartial + tokens * stride_lt + heads * stride_lh
@@ -152,11 +152,15 @@ def _verify_kernel(
 
 
 def verify_blocks(group: int, max_extend_len: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_Q, BLOCK_R): new tokens a program, as many as the longest run of them (at most
-    MAX_TOKENS, and as many rows as MAX_ROW_DIMS / head_dim), and its rows, those tokens
-    times the group's query heads padded to a power of two, at least 16 (a dot's least)."""
+    """(BLOCK_Q, BLOCK_R): new tokens a program, the longest run of them rounded up to a
+    power of two (at most MAX_TOKENS, and as many rows as MAX_ROW_DIMS / head_dim), and its
+    rows, those tokens times the group's query heads padded to a power of two, at least 16
+    (a dot's least). Powers of two: a verify graph's tiers (2, 4, 8, 16, ...) build every
+    BLOCK_Q a verify meets at start-up, and none is built mid-run."""
     most = MAX_ROW_DIMS // triton.next_power_of_2(head_dim)
-    block_q = min(BLOCK_TOKENS or max(max_extend_len, 1), MAX_TOKENS, max(1, most // group))
+    run = BLOCK_TOKENS or triton.next_power_of_2(max(max_extend_len, 1))
+    fits = max(1, triton.next_power_of_2(most // group + 1) // 2)  # a power of two
+    block_q = min(run, MAX_TOKENS, fits)
     return block_q, max(16, triton.next_power_of_2(block_q * group))
 
 

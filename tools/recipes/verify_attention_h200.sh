@@ -8,9 +8,9 @@
 # 1. The kernels alone (tools/sweep_attention.py --verify), the heads of SmolLM2-135M (9/3 of
 #    64), Qwen3-0.6B (16/8 of 128) and Qwen3-8B (32/8 of 128): 8 drafts a request (9 new
 #    tokens) after contexts of 128, 512, 2,048 and 8,192 tokens at batch 1, 4 and 8, each
-#    setting of the split kernel (new tokens a program: the run's own 9, 4, or a verify
-#    graph's 16 of its tier; keys a range at least) under a few launches, against the extend
-#    kernel as the engine launches it.
+#    setting of the split kernel (new tokens a program: the run's 9 rounded up to 16, as the
+#    engine takes them, or 8 or 4; keys a range at least) under a few launches, against the
+#    extend kernel as the engine launches it.
 # 2. The verify step (tools/bench_verify_cost.py through gemv_rows_h200.sh's verify stage):
 #    MINISGL_VERIFY_ATTN=extend against split, one process each, alternated twice, on the
 #    VERIFY_SHAPES (random weights, made on the GPU; SmolLM2-135M's and Qwen3-8B's) after
@@ -35,7 +35,7 @@ if [ "$SWEEP" = 1 ]; then
     echo "== the kernels alone, ${s#*:}'s heads ($SECONDS s)" | log
     timeout 300 python3 tools/sweep_attention.py --q-heads "$h" --kv-heads "$kv" --head-dim "$d" \
         --kv-dtypes bfloat16 --decode "" --extend-lens "" --verify "$batches" \
-        --verify-block-tokens 0,4,16 --block-n 32,64 --warps 2,4 --stages 0 --output-json "$OUT/sweep_${s#*:}.json" 2>&1 |
+        --verify-block-tokens 0,8,4 --block-n 32,64 --warps 2,4 --stages 0 --output-json "$OUT/sweep_${s#*:}.json" 2>&1 |
       grep -E "^==|^extend|^best|failed" | log
   done
 fi
