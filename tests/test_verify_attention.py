@@ -14,7 +14,9 @@ from helpers import ROWS, TINY, WIDTH, attention_reference, need, paged_table
 
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import MIN_SPLIT_KEYS
-from minisgl.kernels.verify_attention import verify_attention, verify_blocks
+from minisgl.kernels.rope_store import qk_rope_store
+from minisgl.kernels.verify_attention import verify_attention, verify_attention_qkv, verify_blocks
+from minisgl.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -85,6 +87,60 @@ def test_verify_kernel_in_bf16_matches_extend_kernel(head_dim) -> None:
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
+# (q heads, kv heads, head_dim, qk norm, new tokens a program): Qwen3's norms, SmolLM2's group
+# of 3 without, and a request's tokens over several programs, each storing the keys it reads
+QKV_CASES = [(4, 2, 16, True, None), (6, 2, 24, False, None), (4, 2, 16, True, 2)]
+
+
+@pytest.mark.parametrize(("hq", "hkv", "d", "norm", "block_tokens"), QKV_CASES)
+def test_verify_from_qkv_equals_rope_store_then_verify_kernel(
+    monkeypatch, hq, hkv, d, norm, block_tokens
+) -> None:
+    """The one kernel from qkv (heads normed and rotated, the new keys and values stored, then
+    attended) against `qk_rope_store` followed by the split kernel: the output and the pool."""
+    from minisgl.kernels import verify_attention as module
+
+    monkeypatch.setattr(module, "BLOCK_TOKENS", block_tokens)
+    monkeypatch.setattr(module, "MIN_SPLIT", 16)  # several ranges, new keys across two of them
+    gen = torch.Generator().manual_seed(hq * d)
+    table = paged_table(16, gen)
+    shape = [(40, 9), (3, 5), (17, 1), (1, 0), (150, 16)]  # a 0-token slot: a graph's filler
+    rows = list(range(len(shape)))[::-1]
+    seq_lens = [p + n for p, n in shape]
+    qo = [0]
+    for _, n in shape:
+        qo.append(qo[-1] + n)
+    positions = torch.cat([torch.arange(p, p + n) for p, n in shape]).to(torch.int32)
+    out_loc = torch.cat([table[r, p : p + n] for r, (p, n) in zip(rows, shape)])
+    qkv = torch.randn(qo[-1], (hq + 2 * hkv) * d, generator=gen)
+    weights = [torch.rand(d, generator=gen) + 0.5 for _ in range(2)] if norm else [None, None]
+    rope = RotaryEmbedding(d, 10000.0, ROWS * WIDTH, torch.device("cpu"))
+    k_cache = torch.randn(ROWS * WIDTH, hkv, d, generator=gen)
+    v_cache = torch.randn(ROWS * WIDTH, hkv, d, generator=gen)
+    ints = [torch.tensor(x, dtype=torch.int32) for x in (rows, seq_lens, qo)]
+    longest, scale = max(n for _, n in shape), d**-0.5
+
+    def run(fused: bool):
+        kc, vc = on_dev(k_cache.clone(), v_cache.clone())
+        args = on_dev(qkv, positions, rope.cos_sin, *(w for w in weights if w is not None))
+        w = args[3:] if norm else [None, None]
+        meta = on_dev(table, *ints)
+        if fused:
+            out = verify_attention_qkv(*args[:3], *w, 1e-6, kc, vc, out_loc.to(DEV), *meta,
+                                       longest, scale, hq, hkv, d)  # fmt: skip
+        else:
+            q = qk_rope_store(*args[:3], *w, 1e-6, kc, vc, out_loc.to(DEV), hq, hkv, d)
+            out = verify_attention(q, kc, vc, *meta, longest, scale)
+        return out.cpu(), kc.cpu(), vc.cpu()
+
+    want, got = run(False), run(True)
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)  # the rotated new keys
+    torch.testing.assert_close(got[2], want[2], atol=0, rtol=0)  # the values
+    changed = (got[1] != k_cache).any(-1).any(-1)
+    assert changed.nonzero().flatten().tolist() == sorted(out_loc.tolist())
+
+
 # >>> ch29 sliding windows
 @pytest.mark.parametrize("window", [1, 7, 150])
 def test_verify_kernel_with_a_window_matches_extend_kernel(window) -> None:
@@ -109,28 +165,38 @@ def test_blocks_take_the_longest_run_in_powers_of_two_and_rows_that_fit_the_accu
                 assert rows * head_dim <= max(64 * 128, 16 * head_dim), (group, n, head_dim)
 
 
+_PLAIN: dict[str, list] = {}  # the plain run's tokens, made once for both paths
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's interpreter")
-def test_speculating_engine_through_the_split_kernel_gives_plain_tokens(monkeypatch) -> None:
+@pytest.mark.parametrize("path", ["attend", "qkv"])
+def test_speculating_engine_through_the_split_kernel_gives_plain_tokens(monkeypatch, path) -> None:
     """Greedy n-gram speculation on a tiny model with our kernels: verifies through the
     split kernel (in emulated verify graphs with their padding, and eagerly in the graphs'
-    warm-ups) give the tokens of plain decoding."""
+    warm-ups) give the tokens of plain decoding; `qkv`: the layers' fused path (rotary and
+    store forced on for CPU tensors), where a verify's attention starts from qkv as a decode
+    step's does."""
     from minisgl.core import SamplingParams
     from minisgl.env import ENV
     from minisgl.kernels import verify_attention as module
+    from minisgl.layers import kernel_plan
     from minisgl.llm import LLM
 
     calls = []
-    real = module.verify_attention
-    monkeypatch.setattr(module, "verify_attention", lambda *a: calls.append(1) or real(*a))
+    name = "verify_attention_qkv" if path == "qkv" else "verify_attention"
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(ENV.VERIFY_ATTN, "value", "split")
+    if path == "qkv":
+        monkeypatch.setattr(kernel_plan, "rope_store_kernel", lambda fused: qk_rope_store)
     gen = torch.Generator().manual_seed(3)
     stem = torch.randint(0, 1000, (12,), generator=gen).tolist()
     prompts = [stem * 2 + stem[:3], stem[:5] * 3]  # repeats: the n-gram drafts from them
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     kw = dict(dtype=torch.float32, device="cpu", attention_backend="triton", page_size=4,
               max_running_req=4, max_seq_len_override=96, cuda_graph_max_bs=2)  # fmt: skip
-    outs = {}
-    for spec in ("off", "ngram"):
+    outs = {"off": _PLAIN.get("off")}
+    for spec in [s for s in ("off", "ngram") if outs.get(s) is None]:
         llm = LLM(str(need(TINY["qwen3"])), **kw, speculative=spec, speculative_always=True)
         try:
             outs[spec] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -139,4 +205,5 @@ def test_speculating_engine_through_the_split_kernel_gives_plain_tokens(monkeypa
                 assert llm.engine.graph_runner.graphs("verify")
         finally:
             llm.shutdown()
+    _PLAIN["off"] = outs["off"]
     assert calls and outs["ngram"] == outs["off"]

@@ -77,13 +77,14 @@ class TritonAttnBackend(BaseAttnBackend):
     def __init__(
         self, kv_cache: MHAKVCache, page_table: torch.Tensor, scale: float, num_qo_heads: int
     ) -> None:
+        from minisgl.kernels import verify_attention as verify  # [ch26]
         from minisgl.kernels.decode_attention import decode_attention
         from minisgl.kernels.extend_attention import extend_attention
-        from minisgl.kernels.verify_attention import verify_attention  # [ch26]
 
         super().__init__(kv_cache, page_table, scale, num_qo_heads)
         self.decode_attention, self.extend_attention = decode_attention, extend_attention
-        self.verify_attention = verify_attention  # [ch26]
+        self.verify_attention = verify.verify_attention  # [ch26]
+        self.verify_from_qkv = verify.from_qkv  # [ch26]
         self.capture: TritonCaptureData | None = None
 
     def prepare_metadata(self, batch: Batch) -> None:
@@ -145,18 +146,18 @@ class TritonAttnBackend(BaseAttnBackend):
         self, layer: AttentionLayer, qkv: torch.Tensor, batch: Batch
     ) -> torch.Tensor | None:
         """A decode step's attention from the layer's qkv in one kernel (rotary, KV store,
-        split-KV attention and merge: kernels/fused_decode.py)."""
+        split-KV attention and merge: kernels/fused_decode.py); None: not a layer it takes."""
         # >>> ch29 its kernel turns every channel of a head and attends to every key
         if self.window(layer.layer_id) is not None or layer.rotary.rotary_dim < layer.head_dim:
             return None
         # <<< ch29
-        from minisgl.kernels.fused_decode import decode_attention_qkv
+        from minisgl.kernels import fused_decode
         from minisgl.kernels.pdl import pdl_enabled
 
         md = batch.attn_metadata
-        assert isinstance(md, TritonMetadata) and md.max_extend_len == 1
+        assert isinstance(md, TritonMetadata)
         norms = hasattr(layer, "q_norm")
-        return decode_attention_qkv(
+        rope = (
             qkv,
             batch.positions,
             layer.rotary.cos_sin,
@@ -169,13 +170,15 @@ class TritonAttnBackend(BaseAttnBackend):
             self.page_table,
             md.rows,
             md.seq_lens,
-            self.scale,
-            layer.num_heads,
-            layer.num_kv_heads,
-            layer.head_dim,
-            pdl_enabled(qkv),
-            *self.kv_cache.scales(layer.layer_id),  # [ch28]
         )
+        heads = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
+        if batch.phase == "verify":  # [ch26]
+            return self.verify_from_qkv(self, layer, batch, rope, heads)  # [ch26]
+        assert md.max_extend_len == 1
+        return fused_decode.decode_attention_qkv(
+            *rope, self.scale, *heads, pdl_enabled(qkv),
+            *self.kv_cache.scales(layer.layer_id),  # [ch28]
+        )  # fmt: skip
 
     def init_capture_graph(self, max_seq_len: int, bs_list: list[int]) -> None:
         max_bs, device = max(bs_list), self.device

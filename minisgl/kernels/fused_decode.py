@@ -43,29 +43,61 @@ from minisgl.kernels.rope_store import _cached
 
 @triton.jit
 def _rotated_heads(
-    row, heads, h_mask, offs_d, partner, sign, cos, sin, weight, eps,
+    heads, mask, offs_d, partner, sign, cos, sin, weight, eps,
     HEAD_DIM: tl.constexpr, QK_NORM: tl.constexpr,
 ):  # fmt: skip
-    """Heads of one token's qkv ([BLOCK_H, BLOCK_D], masked rows zero), normed and rotated,
-    in the model dtype, rounded between the steps as the unfused layers round."""
-    mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    ptrs = row + heads[:, None] * HEAD_DIM
-    x = tl.load(ptrs + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(ptrs + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    dtype = row.dtype.element_ty
+    """Heads of qkv (`heads`: a pointer to each row's head; masked rows zero), normed and
+    rotated by cos and sin (one row for all, or one a row), in the model dtype, rounded
+    between the steps as the unfused layers round."""
+    x = tl.load(heads + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(heads + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    dtype = heads.dtype.element_ty
     if QK_NORM:
         rstd = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)[:, None]
         w = tl.load(weight + offs_d, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
         wp = tl.load(weight + partner, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32)
         x = ((x * rstd).to(dtype).to(tl.float32) * w[None, :]).to(dtype).to(tl.float32)
         xp = ((xp * rstd).to(dtype).to(tl.float32) * wp[None, :]).to(dtype).to(tl.float32)
-    return (x * cos[None, :] + sign[None, :] * xp * sin[None, :]).to(dtype)
+    return (x * cos + sign[None, :] * xp * sin).to(dtype)
 
 
 @triton.jit
 def _load_cg(ptrs, mask):
     """Another program's writes, read past this SM's L1 (which may hold stale lines)."""
     return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+
+
+@triton.jit
+def _store_or_merge(
+    out, m_i, l_i, out_ptrs, partial, lse_ptrs, counter, split, used, stride_ps, mask, r_mask,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """One range of keys' rows done: alone, they are the output; else they are stored as a
+    partial with their log-sum-exp, and the last range to finish (the counter says which)
+    merges every range's partial into the output and resets the counter."""
+    if used == 1:
+        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=mask)
+    else:
+        has_keys = l_i > 0
+        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(partial + split * stride_ps, out, mask=mask)
+        tl.store(lse_ptrs + split, lse, mask=r_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count says so
+        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:  # the last one
+            top = tl.full([BLOCK_R], float("-inf"), tl.float32)
+            for s in range(0, used):
+                top = tl.maximum(top, _load_cg(lse_ptrs + s, r_mask))
+            # A masked row (or one that sees no key) is -inf everywhere: keep it finite.
+            top = tl.where(top == float("-inf"), 0.0, top)
+            total = tl.zeros([BLOCK_R], tl.float32)
+            merged = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+            for s in range(0, used):
+                w = tl.exp(_load_cg(lse_ptrs + s, r_mask) - top)
+                merged += _load_cg(partial + s * stride_ps, mask) * w[:, None]
+                total += w
+            total = tl.where(total > 0, total, 1.0)
+            tl.store(out_ptrs, (merged / total[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next step (and the next graph replay)
 
 
 @triton.jit
@@ -105,18 +137,19 @@ def _decode_qkv_kernel(
     heads = kv_head * GROUP + offs_h
     h_mask = offs_h < GROUP
     q = _rotated_heads(
-        qkv, heads, h_mask, offs_d, partner, sign, cos, sin, QW, eps, HEAD_DIM, QK_NORM
-    )
+        qkv + heads[:, None] * HEAD_DIM, h_mask[:, None] & d_mask[None, :], offs_d, partner,
+        sign, cos[None, :], sin[None, :], QW, eps, HEAD_DIM, QK_NORM,
+    )  # fmt: skip
 
     if seq_len == end:  # the new token's key is in this range
         first = offs_h == 0
+        store = first[:, None] & d_mask[None, :]
         k = _rotated_heads(
-            qkv, Q_HEADS + kv_head + 0 * offs_h, first, offs_d, partner, sign, cos, sin, KW,
-            eps, HEAD_DIM, QK_NORM,
+            qkv + (Q_HEADS + kv_head + 0 * offs_h[:, None]) * HEAD_DIM, store, offs_d, partner,
+            sign, cos[None, :], sin[None, :], KW, eps, HEAD_DIM, QK_NORM,
         )  # fmt: skip
         k = k * k_inv  # [ch28]
         slot = tl.load(OutLoc + b).to(tl.int64)
-        store = first[:, None] & d_mask[None, :]
         at = slot * stride_ks + kv_head * stride_kh + 0 * offs_h[:, None] + offs_d[None, :]
         tl.store(K + at, _cached(k, K), mask=store)
         v_ptrs = qkv + (Q_HEADS + KV_HEADS + kv_head) * HEAD_DIM + 0 * offs_h[:, None]
@@ -136,31 +169,14 @@ def _decode_qkv_kernel(
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    has_keys = l_i > 0
-    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out = out * v_scale  # [ch28]
-    if used == 1:
-        tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=out_mask)
-    else:
-        lse = tl.where(has_keys, m_i + tl.log(tl.where(has_keys, l_i, 1.0)), float("-inf"))
-        partial = OutPartial + b * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
-        tl.store(partial + split * stride_ps, out, mask=out_mask)
-        lse_ptrs = LsePartial + b * stride_lb + heads * stride_lh
-        tl.store(lse_ptrs + split, lse, mask=h_mask)
-        tl.debug_barrier()  # every thread's partial is written before the count says so
-        counter = Counters + b * KV_HEADS + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:  # the last one
-            top = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            for s in range(0, used):
-                top = tl.maximum(top, _load_cg(lse_ptrs + s, h_mask))
-            total = tl.zeros([BLOCK_H], tl.float32)
-            merged = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            for s in range(0, used):
-                w = tl.exp(_load_cg(lse_ptrs + s, h_mask) - top)
-                merged += _load_cg(partial + s * stride_ps, out_mask) * w[:, None]
-                total += w
-            tl.store(out_ptrs, (merged / total[:, None]).to(Out.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(counter, 0)  # ready for the next step (and the next graph replay)
+    partial = OutPartial + b * stride_pb + heads[:, None] * stride_ph + offs_d[None, :]
+    _store_or_merge(
+        out, m_i, l_i, out_ptrs, partial, LsePartial + b * stride_lb + heads * stride_lh,
+        Counters + b * KV_HEADS + kv_head, split, used, stride_ps, out_mask, h_mask, BLOCK_H,
+        BLOCK_D,
+    )  # fmt: skip
 
 
 # A split holds at least this many keys: below it, the partials' store, the count and the

@@ -94,7 +94,9 @@ def attention_from_qkv(rope_store: Callable, decode: Callable | None) -> Callabl
 
     def forward(self: AttentionLayer, qkv: torch.Tensor) -> torch.Tensor:
         ctx = get_global_ctx()
-        if decode is not None and ctx.batch.is_decode:  # None: not a layer its kernel takes
+        phases = ("decode",)
+        phases = ("decode", "verify")  # a verify's few tokens a request as well  # [ch26]
+        if decode is not None and ctx.batch.phase in phases:  # None: not a layer it takes
             out = decode(self, qkv, ctx.batch)
             if out is not None:
                 return out.reshape(-1, self.num_heads * self.head_dim)
