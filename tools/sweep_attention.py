@@ -38,8 +38,9 @@ from minisgl.kernels import attention as attn
 from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
+from minisgl.kernels.rope_store import qk_rope_store
 from minisgl.kernels.tile_fit import fit_launch
-from minisgl.kernels.verify_attention import verify_attention
+from minisgl.kernels.verify_attention import verify_attention, verify_attention_qkv
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -129,24 +130,46 @@ class Shape:
         return run
 
     def verify(self, bs: int, ctx: int, tokens: int):
-        """(extend, split): `bs` requests of `tokens` new tokens each, the last of `ctx`."""
+        """(extend, split, the layer's two launches, its one from qkv): `bs` requests of
+        `tokens` new tokens each, the last of `ctx`; the last two start from qkv (Qwen3's
+        head norms, rotary, the new keys stored), extend after qk_rope_store as the engine's
+        default, and the split kernel's qkv variant."""
         a, dev = self.args, self.args.device
-        q = torch.randn(bs * tokens, a.q_heads, a.head_dim, device=dev, dtype=a.dtype)
+        qkv = torch.randn(bs * tokens, self.width, device=dev, dtype=a.dtype)
+        q = qkv[:, : a.q_heads * a.head_dim].view(bs * tokens, a.q_heads, a.head_dim)
         rows = torch.arange(bs, dtype=torch.int32, device=dev)
         seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=dev)
         qo = torch.arange(0, bs * tokens + 1, tokens, dtype=torch.int32, device=dev)
-        args = (q, self.k, self.v, self.table, rows, seq_lens, qo, tokens, a.head_dim**-0.5)
-        return (lambda: extend_attention(*args)), (lambda: verify_attention(*args))
+        new = torch.arange(ctx - tokens, ctx, device=dev)
+        positions = new.repeat(bs)
+        out_loc = self.table[rows.long()][:, new].flatten().long()
+        rope = (qkv, positions, self.cos_sin, self.qw, self.kw, 1e-6, self.k, self.v, out_loc)
+        heads = (a.q_heads, a.kv_heads, a.head_dim)
+        meta = (self.table, rows, seq_lens, qo, tokens, a.head_dim**-0.5)
+
+        def two() -> torch.Tensor:
+            return extend_attention(qk_rope_store(*rope, *heads), self.k, self.v, *meta)
+
+        return (
+            lambda: extend_attention(q, self.k, self.v, *meta),
+            lambda: verify_attention(q, self.k, self.v, *meta),
+            two,
+            lambda: verify_attention_qkv(*rope, *meta, *heads),
+        )
 
 
 def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: bool) -> list:
     """The extend kernel's time, then the split kernel's under every setting and launch."""
     from minisgl.kernels import verify_attention as va
 
-    extend, split = shape.verify(bs, ctx, tokens)
+    extend, split, two, one = shape.verify(bs, ctx, tokens)
     base = timed(extend, args.iters, graph)
     found = [{"kernel": "extend", "ms": base}]
     print(f"extend (the default): {base * 1e3:.1f} us")
+    two_ms, one_ms = timed(two, args.iters, graph), timed(one, args.iters, graph)
+    found[0].update(rope_store_then_extend_ms=two_ms, from_qkv_ms=one_ms)
+    print(f"from qkv: rotary and store then extend {two_ms * 1e3:.1f} us, the split kernel's"
+          f" one launch {one_ms * 1e3:.1f} us ({two_ms / one_ms:.2f}x)")  # fmt: skip
     print("| tokens a program | min keys a range | block_n | warps | stages | us | vs extend |")
     print("|---|---|---|---|---|---|---|")
     launches = [None] + [

@@ -36,7 +36,7 @@ if [ "$SWEEP" = 1 ]; then
     timeout 300 python3 tools/sweep_attention.py --q-heads "$h" --kv-heads "$kv" --head-dim "$d" \
         --kv-dtypes bfloat16 --decode "" --extend-lens "" --verify "$batches" \
         --verify-block-tokens 0,8,4 --block-n 32,64 --warps 2,4 --stages 0 --output-json "$OUT/sweep_${s#*:}.json" 2>&1 |
-      grep -E "^==|^extend|^best|failed" | log
+      grep -E "^==|^extend|^from qkv|^best|failed" | log
   done
 fi
 [ -n "$VERIFY_SHAPES" ] && OUT=$OUT/steps SHAPES= VERIFY="$VERIFY_SHAPES" VERIFY_LENS="$VERIFY_LENS" VERIFY_KS=8 \
