@@ -7,6 +7,8 @@ and an engine whose verifies take it giving the tokens of one that runs the exte
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -207,3 +209,49 @@ def test_speculating_engine_through_the_split_kernel_gives_plain_tokens(monkeypa
             llm.shutdown()
     _PLAIN["off"] = outs["off"]
     assert calls and outs["ngram"] == outs["off"]
+
+
+COMPILE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from minisgl.kernels.fused_decode import _decode_qkv_kernel
+from minisgl.kernels.verify_attention import _verify_kernel
+
+KINDS = {"*bf16": {"QKV", "K", "V", "Out", "QW", "KW", "Q"}, "*fp32": {"CosSin", "OutPartial",
+         "LsePartial"}, "fp32": {"eps", "sm_scale", "k_inv", "v_inv", "v_scale"},
+         "*i32": {"PageTable", "Rows", "SeqLens", "Positions", "OutLoc", "QoIndptr", "Counters"}}
+
+def build(kernel, constants):
+    if "FP16_DOTS" in kernel.arg_names:  # an FP8 cache's (chapter 28)
+        constants["FP16_DOTS"] = False
+    kind = {n: k for k, names in KINDS.items() for n in names}
+    signature = {n: "constexpr" if n in constants else kind.get(n, "i32") for n in kernel.arg_names}
+    src = ASTSource(kernel, signature, constants)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+shape = dict(KV_HEADS=3, GROUP=3, BLOCK_N=64, HEAD_DIM=64, BLOCK_D=64, NUM_SPLITS=16,
+             MIN_SPLIT=128, IEEE=False)
+for norm in (True, False):
+    build(_decode_qkv_kernel, dict(shape, Q_HEADS=9, BLOCK_H=16, QK_NORM=norm, PDL=norm))
+    for qkv, block_q in ((True, 16), (True, 1), (False, 8)):
+        build(_verify_kernel, dict(shape, BLOCK_Q=block_q, BLOCK_R=max(16, 4 * block_q),
+                                   FROM_QKV=qkv, QK_NORM=norm, STORE_T=max(2, block_q)))
+print("built")
+"""
+
+
+def test_the_split_kernels_from_qkv_build_for_a_hopper_card() -> None:
+    """The decode kernel and the verify kernel (from qkv and not, with and without head
+    norms, blocks of 1 and 16 tokens) as a GPU compiles them, for sm_90: Triton compiles for a
+    named target on the CPU, and the interpreter above never lowers a kernel, so a type or
+    shape the compiler refuses would first show on a GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run(
+        [sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600
+    )
+    if run.returncode != 0 and ("ptxas" in run.stderr or "GPUTarget" in run.stderr):
+        pytest.skip(
+            f"Triton cannot compile for sm_90 here: {run.stderr[-300:]}"
+        )  # pragma: no cover
+    assert run.returncode == 0 and run.stdout.split()[-1] == "built", run.stderr[-2000:]
