@@ -10,7 +10,8 @@
 #    tokens) after contexts of 128, 512, 2,048 and 8,192 tokens at batch 1, 4 and 8, each
 #    setting of the split kernel (new tokens a program: the run's 9 rounded up to 16, as the
 #    engine takes them, or 8 or 4; keys a range at least) under a few launches, against the
-#    extend kernel as the engine launches it.
+#    extend kernel as the engine launches it; and the layer from qkv both ways (qk_rope_store
+#    then the extend kernel, the engine's default, against verify_attention_qkv's one launch).
 # 2. The verify step (tools/bench_verify_cost.py through gemv_rows_h200.sh's verify stage):
 #    MINISGL_VERIFY_ATTN=extend against split, one process each, alternated twice, on the
 #    VERIFY_SHAPES (random weights, made on the GPU; SmolLM2-135M's and Qwen3-8B's) after
