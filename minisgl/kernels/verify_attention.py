@@ -53,7 +53,7 @@ from minisgl.kernels.rope_store import _cached
 from minisgl.kernels.tile_fit import fit_launch  # [ch29]
 
 if TYPE_CHECKING:
-    from minisgl.attention.triton_backend import TritonBackend
+    from minisgl.attention.triton_backend import TritonAttnBackend
     from minisgl.core import Batch
     from minisgl.layers.attention import AttentionLayer
 
@@ -265,7 +265,7 @@ def verify_attention_qkv(
 
 
 def from_qkv(
-    backend: TritonBackend, layer: AttentionLayer, batch: Batch, rope: tuple, heads: tuple
+    backend: TritonAttnBackend, layer: AttentionLayer, batch: Batch, rope: tuple, heads: tuple
 ) -> torch.Tensor | None:
     """The Triton backend's verify from qkv (`decode_from_qkv`'s arguments `rope` and
     `heads`); None (rotary and store, then `attend`) unless MINISGL_VERIFY_ATTN is split."""
