@@ -157,7 +157,7 @@ class TritonAttnBackend(BaseAttnBackend):
         md = batch.attn_metadata
         assert isinstance(md, TritonMetadata)
         norms = hasattr(layer, "q_norm")
-        rope = (
+        inputs = (  # qkv, its rotary and norms, the KV pool and where each request's keys are
             qkv,
             batch.positions,
             layer.rotary.cos_sin,
@@ -173,10 +173,10 @@ class TritonAttnBackend(BaseAttnBackend):
         )
         heads = (layer.num_heads, layer.num_kv_heads, layer.head_dim)
         if batch.phase == "verify":  # [ch26]
-            return self.verify_from_qkv(self, layer, batch, rope, heads)  # [ch26]
+            return self.verify_from_qkv(self, layer, batch, inputs, heads)  # [ch26]
         assert md.max_extend_len == 1
         return fused_decode.decode_attention_qkv(
-            *rope, self.scale, *heads, pdl_enabled(qkv),
+            *inputs, self.scale, *heads, pdl_enabled(qkv),
             *self.kv_cache.scales(layer.layer_id),  # [ch28]
         )  # fmt: skip
 

@@ -265,15 +265,15 @@ def verify_attention_qkv(
 
 
 def from_qkv(
-    backend: TritonAttnBackend, layer: AttentionLayer, batch: Batch, rope: tuple, heads: tuple
+    backend: TritonAttnBackend, layer: AttentionLayer, batch: Batch, inputs: tuple, heads: tuple
 ) -> torch.Tensor | None:
-    """The Triton backend's verify from qkv (`decode_from_qkv`'s arguments `rope` and
-    `heads`); None (rotary and store, then `attend`) unless MINISGL_VERIFY_ATTN is split."""
+    """The Triton backend's verify from qkv (`decode_from_qkv`'s `inputs` and `heads`); None
+    (rotary and store, then `attend`) unless MINISGL_VERIFY_ATTN is split."""
     if ENV.VERIFY_ATTN.value != "split":
         return None
     md = batch.attn_metadata
     return verify_attention_qkv(
-        *rope, md.qo_indptr, md.max_extend_len, backend.scale, *heads,
+        *inputs, md.qo_indptr, md.max_extend_len, backend.scale, *heads,
         *backend.kv_cache.scales(layer.layer_id),  # [ch28]
     )  # fmt: skip
 
