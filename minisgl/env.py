@@ -85,6 +85,7 @@ class _Env:
         # query head walks every key, as a prompt's chunk does)
         self.VERIFY_ATTN = EnvVar.read("VERIFY_ATTN", "extend", choices=("extend", "split"))
         # <<< ch26
+        self.FP8_V_WIDEN = EnvVar.read("FP8_V_WIDEN", "last", choices=("first", "last"))  # [ch28]
         # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused
         # kernels run (triton: 1.07-1.22x faster steps at batch 1-256, docs/benchmarks.md),
         # or the torch code (torch)
