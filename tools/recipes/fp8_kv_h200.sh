@@ -10,8 +10,8 @@
 #
 # kernels: tools/sweep_attention.py over e4m3 K/V at Qwen3-0.6B's heads (16 query, 8 KV, 128
 #   channels): the fused decode at batch 256, 64 and 8 after 1,024 tokens and batch 1 after
-#   4,096, under six launches each; and a verify of 8 drafts (the split kernel, 9 rows a
-#   request) at batch 8 after 1,024 tokens.
+#   4,096, under twelve launches each (Triton's default pipeline depth and 2 stages); and a
+#   verify of 8 drafts (the split kernel, 9 rows a request) at batch 8 after 1,024 tokens.
 # offline: nano-vllm's workload (256 requests, input and output U[100, 1024]) with
 #   tools/bench_offline.py: bf16 K/V, then e4m3 last, then e4m3 first, ROUNDS times.
 # step: tools/bench_latency.py's decode steps at batch 1, 8, 64 and 256 after 1,000 prompt
@@ -42,7 +42,7 @@ case $PART in
         echo "== round $r, MINISGL_FP8_V_WIDEN=$w ($SECONDS s)"
         MINISGL_FP8_V_WIDEN=$w timeout 300 $PY tools/sweep_attention.py --q-heads 16 \
           --kv-heads 8 --head-dim 128 --kv-dtypes fp8_e4m3 \
-          --decode 256x1024,64x1024,8x1024,1x4096 --block-n 32,64,128 --warps 2,4 --stages 0 \
+          --decode 256x1024,64x1024,8x1024,1x4096 --block-n 32,64,128 --warps 2,4 --stages 0,2 \
           --extend-lens "" --verify 8x1033x9 --verify-block-tokens 0 \
           --output-json "$OUT/sweep_${w}_$r.json" 2>&1 | grep -vE "^$|Warning|warn_once"
       done
