@@ -108,6 +108,8 @@ class _Env:
         self.GATED_DELTA_DECODE = EnvVar.read(
             "GATED_DELTA_DECODE", "auto", choices=("auto", "fused", "split")
         )
+        # the registers a thread of the fused decode kernel may use (0: the compiler's choice)
+        self.GATED_DELTA_REGISTERS = EnvVar.read("GATED_DELTA_REGISTERS", 0)
         # <<< ch31
 
 

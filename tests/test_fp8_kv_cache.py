@@ -12,15 +12,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 import triton.language as tl
-from helpers import TINY, all_logits, make_engine, need, run_tool
+from helpers import TINY, all_logits, build_for_hopper, make_engine, need, run_tool
 from safetensors.torch import save_file
 
 from minisgl.core import Req, SamplingParams
@@ -160,36 +158,20 @@ def test_values_widened_where_loaded_give_the_same_attention(kernel, monkeypatch
                                        rtol=1e-2, atol=1e-2)  # fmt: skip
 
 
-WIDEN_BUILD = r"""
-import subprocess, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+WIDEN_BUILD = """
 from minisgl.kernels.decode_attention import _decode_split_kernel
 from minisgl.kernels.fused_decode import _decode_qkv_kernel
 
-BIN = f"{triton.__path__[0]}/backends/nvidia/bin"
 POINTERS = {"K": "*fp8e4nv", "V": "*fp8e4nv", "QKV": "*bf16", "Q": "*bf16", "Out": "*bf16",
             "QW": "*bf16", "KW": "*bf16", "CosSin": "*fp32", "OutPartial": "*fp32",
             "LsePartial": "*fp32"}
 FLOATS = {"eps", "sm_scale", "k_inv", "v_inv", "v_scale"}
 shape = dict(GROUP=2, BLOCK_H=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=1,
              IEEE=False, FP16_DOTS=True)
-for kernel, more in ((_decode_split_kernel, {}), (_decode_qkv_kernel, dict(
-        Q_HEADS=16, KV_HEADS=8, MIN_SPLIT=128, QK_NORM=True, PDL=False))):
-    consts = {**shape, **more}
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in consts else POINTERS.get(n) or ("fp32" if n in FLOATS
-                 else "*i32" if n[0].isupper() else "i32") for n in names}
-    # as a launch specializes them: pointers and strides multiples of 16
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n not in consts and n not in FLOATS and n != "window"}
-    built = triton.compile(ASTSource(kernel, signature, consts, aligned),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 2})
-    path = f"{sys.argv[1]}/{kernel.__name__}.cubin"
-    open(path, "wb").write(built.asm["cubin"])
-    sass = subprocess.run([f"{BIN}/nvdisasm", "-c", path], capture_output=True, text=True).stdout
-    print(kernel.__name__, sass.count("HMMA"), sass.count("LDS.U8"))
+fused = dict(Q_HEADS=16, KV_HEADS=8, MIN_SPLIT=128, QK_NORM=True, PDL=False)
+for kernel, more in ((_decode_split_kernel, {}), (_decode_qkv_kernel, fused)):
+    code = sass(build(kernel, {**shape, **more}, POINTERS, FLOATS, num_warps=2))
+    print(kernel.__name__, code.count("HMMA"), code.count("LDS.U8"))
 """
 
 
@@ -197,19 +179,8 @@ def test_values_widened_first_take_no_byte_reads_on_a_hopper_card(tmp_path) -> N
     """The split and one-kernel decode over e4m3 with fp16 dots, built for sm_90 on the CPU
     with MINISGL_FP8_V_WIDEN=first: the tensor cores run their dots, and no value is read
     from shared memory a byte at a time (Triton's own order reads 128 a thread per block)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["MINISGL_FP8_V_WIDEN"] = "first"
-    run = subprocess.run(
-        [sys.executable, "-c", WIDEN_BUILD, str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    if run.returncode != 0 and any(w in run.stderr for w in ("ptxas", "GPUTarget", "nvdisasm")):
-        pytest.skip(f"Triton cannot build for sm_90 here: {run.stderr[-300:]}")  # pragma: no cover
-    assert run.returncode == 0, run.stderr[-2000:]
-    counts = {
-        name: (int(dots), int(bytes_))
-        for name, dots, bytes_ in map(str.split, run.stdout.splitlines())
-    }
+    lines = build_for_hopper(WIDEN_BUILD, tmp_path, MINISGL_FP8_V_WIDEN="first")
+    counts = {name: (int(dots), int(reads)) for name, dots, reads in map(str.split, lines)}
     assert set(counts) == {"_decode_split_kernel", "_decode_qkv_kernel"}
     for dots, byte_reads in counts.values():
         assert dots > 0 and byte_reads == 0, counts

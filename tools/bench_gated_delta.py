@@ -16,7 +16,8 @@ their slots in a state pool. The sides:
 - ours: kernels/gated_delta.py (MINISGL_GATED_DELTA=triton): one kernel a decode step
   ("ours, split N": two, the recurrence's programs holding N value columns each:
   MINISGL_GATED_DELTA_DECODE=split; `--split-columns 16,32,64:2` compares several, 64:2
-  with 2 warps a program); a
+  with 2 warps a program; "ours, fused, R registers": the one kernel with its registers
+  capped at R a thread, `--fused-registers 128`: MINISGL_GATED_DELTA_REGISTERS); a
   prefill's conv, conv-state update and chunked recurrence (16 tokens a step), then the
   gated norm; "ours, by token" is the same with the token-by-token recurrence, "ours, two
   passes" with kernels/gated_delta_chunks.py's (every chunk's own work at once, then the
@@ -165,6 +166,21 @@ class Setup:
 
         return run
 
+    def fused_capped(self, registers: int) -> Callable[[], torch.Tensor]:
+        """Our decode step in the fused kernel, its registers capped at `registers` a thread
+        (MINISGL_GATED_DELTA_DECODE=fused, MINISGL_GATED_DELTA_REGISTERS)."""
+        from minisgl.env import ENV
+
+        def run() -> torch.Tensor:
+            was = self.pool.split_decode, ENV.GATED_DELTA_REGISTERS.value
+            self.pool.split_decode, ENV.GATED_DELTA_REGISTERS.value = False, registers
+            try:
+                return self.side("triton")()
+            finally:
+                self.pool.split_decode, ENV.GATED_DELTA_REGISTERS.value = was
+
+        return run
+
     def state_bytes(self) -> int:
         """A call's floor traffic: each request's SSM and conv state read and written."""
         s, itemsize = self.shape, self.qkv.element_size()
@@ -285,6 +301,9 @@ def bench(case: Case, args: argparse.Namespace, fla, device, dtype) -> list[str]
         for columns in args.split_columns:
             sides[f"ours, split {columns}"] = setup.decode_split(columns)
             diffs[f"ours, split {columns}"] = max_diff(setup, sides[f"ours, split {columns}"])
+        for cap in args.fused_registers:
+            sides[f"ours, fused, {cap} registers"] = setup.fused_capped(cap)
+            diffs[f"ours, fused, {cap} registers"] = max_diff(setup, setup.fused_capped(cap))
     else:
         for rule in ("by token", "two passes"):
             sides[f"ours, {rule}"] = setup.prefill_with(rule)
@@ -338,12 +357,19 @@ def main(argv: list[str] | None = None) -> None:
         default="32",
         help="decode in two kernels: value columns a program, or COLUMNS:WARPS",
     )
+    p.add_argument(
+        "--fused-registers",
+        default="",
+        help="decode in the fused kernel with its registers capped: caps a thread, e.g. 128",
+    )
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
     args = parse(p, argv)
     args.split_columns = [c for c in args.split_columns.split(",") if c]
+    args.fused_registers = [int(c) for c in args.fused_registers.split(",") if c]
     todo = cases(args)
     fla = fla_ops()
     split = "".join(f", ours split {c}" for c in args.split_columns)
+    split += "".join(f", ours fused {c} registers" for c in args.fused_registers)
     sides = f"torch, ours{split}" + (f", fla {fla[2]}" if fla else " (fla-core not importable)")
     if args.dry_run:
         print(f"{len(todo)} cases on {args.device}, {args.dtype}; sides: {sides}")

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from minisgl.env import ENV
 from minisgl.kernels.attention import _dot
 from minisgl.models.families import LinearAttention
 
@@ -51,6 +52,11 @@ SEARCH = 16  # the conv finds a token's request among at most 2^16 - 1
 # first: the machine is mostly idle, and a program's loads are its time. With more, a state
 # held from the start only crowds the registers of programs that wait their turn anyway.
 EARLY_PROGRAMS = 128
+# Built for sm_90 (Triton 3.6), the fused decode kernel takes 148 registers a thread at 8
+# warps, so one program of 8 warps fits on an SM at a time: it asks for its 64 KB state,
+# waits, computes, stores, and the memory idles between. Capped at 128 (maxnreg,
+# MINISGL_GATED_DELTA_REGISTERS) it spills nothing and two programs share an SM; the
+# compiler's choice stays the default until the GPU has timed both (docs/benchmarks.md).
 
 
 @triton.jit
@@ -291,9 +297,15 @@ def decode_step(
         PER_KEY=s.num_value_heads // s.num_key_heads, WIDTH=s.conv_kernel,
         BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_W=triton.next_power_of_2(s.conv_kernel),
         EARLY=reqs * s.num_key_heads <= EARLY_PROGRAMS,
-        num_warps=8 if block_dk * block_dv >= 128 * 64 else 4,
+        num_warps=8 if block_dk * block_dv >= 128 * 64 else 4, **_registers(qkv.device),
     )  # fmt: skip
     return out
+
+
+def _registers(device: torch.device) -> dict:
+    """The fused decode's launch option that caps its registers, where one is set (CUDA)."""
+    cap = ENV.GATED_DELTA_REGISTERS.value
+    return {"maxnreg": cap} if cap and device.type == "cuda" else {}
 
 
 def _decode_split(

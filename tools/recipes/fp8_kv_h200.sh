@@ -57,7 +57,7 @@ case $PART in
         MINISGL_FP8_V_WIDEN=$w timeout 300 $PY tools/bench_offline.py --model "$M" --device cuda \
           --skip-hf --num-seqs 256 --min-input 100 --max-input 1024 --min-output 100 \
           --max-output 1024 "${flag[@]}" 2>&1 |
-          grep -E "tok/s|rror"
+          grep -E "^\\||rror"
       done
     done
     ;;

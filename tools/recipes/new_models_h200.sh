@@ -20,6 +20,10 @@
 # gemma4attn: the split-KV decode's launches swept at Gemma-4-E4B's heads (8 query, 2 KV):
 #          sliding layers (256 wide, a 512-token window) and global ones (512 wide), at
 #          batch 128 and 256 (tools/sweep_attention.py --kernel split; not a default stage).
+# gdregs:  the linear layers' fused decode kernel with its registers capped at 128 a thread
+#          (MINISGL_GATED_DELTA_REGISTERS: two programs an SM) against the compiler's choice:
+#          the kernel alone at batch 1-256, then the 0.8B's steps and nano-vllm's workload,
+#          alternating (not a default stage).
 # GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
 # others; it is measured with this many layers (every layer its real shape) and the time per
 # token scaled by 60 / layers, which the log says.
@@ -113,4 +117,24 @@ if [[ $STAGES == *gemma4attn* ]]; then
         --head-dim "$1" "${window[@]}" --kv-dtypes bfloat16 --decode 128x1024,256x1024 \
         --extend-lens "" 2>&1 | grep -E "^\||==|best|failed" | log
   done
+fi
+if [[ $STAGES == *gdregs* ]]; then
+  echo "== gated delta decode, registers capped" | log
+  timeout 300 python3 tools/bench_gated_delta.py --models 0.8b,9b --decode 1,8,64,256 \
+      --prefill "" --fused-registers 128 --rounds 5 2>&1 | grep -E "^\||rror" | log
+  if [[ ,$SHAPES, == *,qwen3.5-0.8b,* ]]; then
+    echo "== qwen3.5-0.8b steps, registers capped" | log
+    timeout 400 python3 tools/bench_latency.py --model /root/qwen3.5-0.8b --skip-hf --skip-eager \
+        --batch-sizes 1,8,64,256 --input-len 32 --output-len 64 --rounds 2 \
+        --variants "plain:GATED_DELTA_REGISTERS=0;capped:GATED_DELTA_REGISTERS=128" 2>&1 \
+        | grep -E "^\| |Error|error" | log
+    for round in 1 2; do
+      for cap in 0 128; do
+        echo "== offline qwen3.5-0.8b, MINISGL_GATED_DELTA_REGISTERS=$cap, round $round" | log
+        MINISGL_GATED_DELTA_REGISTERS=$cap timeout 300 python3 tools/bench_offline.py \
+            --model /root/qwen3.5-0.8b --num-seqs 256 --min-input 100 --max-input 1024 \
+            --min-output 100 --max-output 1024 --skip-hf 2>&1 | grep -E "^\\||rror" | log
+      done
+    done
+  fi
 fi
