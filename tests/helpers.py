@@ -588,54 +588,12 @@ def attention_reference(q, k_cache, v_cache, table, rows, seq_lens, qo, scale) -
     return out
 
 
-# ---- kernels as a Hopper GPU builds them, on the CPU ----------------------------------------
-
-HOPPER_PRELUDE = r'''
-import subprocess, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
-BIN = f"{triton.__path__[0]}/backends/nvidia/bin"
-
-
-def build(kernel, consts, pointers, floats=(), **options):
-    """`kernel` compiled for sm_90, as a launch specializes it (pointers and integers
-    multiples of 16): its cubin, written to OUT, and its name there."""
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in consts else pointers.get(n) or (
-        "fp32" if n in floats else "*i32" if n[0].isupper() else "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n not in consts and n not in floats and n != "window"}
-    built = triton.compile(ASTSource(kernel, signature, consts, aligned),
-                           target=GPUTarget("cuda", 90, 32), options=options)
-    path = f"{sys.argv[1]}/{kernel.__name__}.cubin"
-    open(path, "wb").write(built.asm["cubin"])
-    return path
-
-
-def sass(path):
-    return subprocess.run([f"{BIN}/nvdisasm", "-c", path], capture_output=True, text=True).stdout
-
-
-def usage(path):
-    """{"REG": registers a thread, "STACK": bytes of its stack frame (where spills go), ...}"""
-    out = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", path],
-                         capture_output=True, text=True).stdout
-    return {k: int(v) for k, v in __import__("re").findall(r"(REG|STACK|SHARED):(\d+)", out)}
-'''
-
-
-def build_for_hopper(script: str, out: Path, **env: str) -> list[str]:
-    """Run HOPPER_PRELUDE + `script` in a fresh process without Triton's interpreter (the
-    kernels are built for sm_90 on the CPU), with OUT as its argument and `env` added; its
-    stdout's lines. Skips where this Triton cannot build for the GPU (no ptxas, no target)."""
-    run_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | env
-    run = subprocess.run(
-        [sys.executable, "-c", HOPPER_PRELUDE + script, str(out)],
-        capture_output=True, text=True, env=run_env, timeout=600,
-    )  # fmt: skip
+def hopper_report(*groups: str) -> dict[str, list[str]]:
+    """tools/kernel_report.py's rows for `groups` (the kernels built for sm_90 on the CPU),
+    by kernel: its cells. Skips where this Triton cannot build for the GPU."""
+    run = run_tool("kernel_report.py", "--only", ",".join(groups), timeout=600)
     if run.returncode != 0 and any(w in run.stderr for w in ("ptxas", "GPUTarget", "nvdisasm")):
         pytest.skip(f"Triton cannot build for sm_90 here: {run.stderr[-300:]}")  # pragma: no cover
     assert run.returncode == 0, run.stderr[-2000:]
-    return run.stdout.splitlines()
+    rows = [line.strip("|").split("|") for line in run.stdout.splitlines() if line[:2] == "| "]
+    return {cells[0].strip(): [c.strip() for c in cells[1:]] for cells in rows[1:]}

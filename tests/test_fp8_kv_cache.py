@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import triton.language as tl
-from helpers import TINY, all_logits, build_for_hopper, make_engine, need, run_tool
+from helpers import TINY, all_logits, hopper_report, make_engine, need, run_tool
 from safetensors.torch import save_file
 
 from minisgl.core import Req, SamplingParams
@@ -158,32 +158,17 @@ def test_values_widened_where_loaded_give_the_same_attention(kernel, monkeypatch
                                        rtol=1e-2, atol=1e-2)  # fmt: skip
 
 
-WIDEN_BUILD = """
-from minisgl.kernels.decode_attention import _decode_split_kernel
-from minisgl.kernels.fused_decode import _decode_qkv_kernel
-
-POINTERS = {"K": "*fp8e4nv", "V": "*fp8e4nv", "QKV": "*bf16", "Q": "*bf16", "Out": "*bf16",
-            "QW": "*bf16", "KW": "*bf16", "CosSin": "*fp32", "OutPartial": "*fp32",
-            "LsePartial": "*fp32"}
-FLOATS = {"eps", "sm_scale", "k_inv", "v_inv", "v_scale"}
-shape = dict(GROUP=2, BLOCK_H=16, BLOCK_N=64, HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=1,
-             IEEE=False, FP16_DOTS=True)
-fused = dict(Q_HEADS=16, KV_HEADS=8, MIN_SPLIT=128, QK_NORM=True, PDL=False)
-for kernel, more in ((_decode_split_kernel, {}), (_decode_qkv_kernel, fused)):
-    code = sass(build(kernel, {**shape, **more}, POINTERS, FLOATS, num_warps=2))
-    print(kernel.__name__, code.count("HMMA"), code.count("LDS.U8"))
-"""
-
-
-def test_values_widened_first_take_no_byte_reads_on_a_hopper_card(tmp_path) -> None:
+def test_values_widened_first_take_no_byte_reads_on_a_hopper_card(monkeypatch) -> None:
     """The split and one-kernel decode over e4m3 with fp16 dots, built for sm_90 on the CPU
-    with MINISGL_FP8_V_WIDEN=first: the tensor cores run their dots, and no value is read
-    from shared memory a byte at a time (Triton's own order reads 128 a thread per block)."""
-    lines = build_for_hopper(WIDEN_BUILD, tmp_path, MINISGL_FP8_V_WIDEN="first")
-    counts = {name: (int(dots), int(reads)) for name, dots, reads in map(str.split, lines)}
-    assert set(counts) == {"_decode_split_kernel", "_decode_qkv_kernel"}
-    for dots, byte_reads in counts.values():
-        assert dots > 0 and byte_reads == 0, counts
+    (tools/kernel_report.py) with MINISGL_FP8_V_WIDEN=first: the tensor cores run their
+    dots, and no value is read from shared memory a byte at a time (Triton's own order reads
+    128 a thread in every block of 64 keys)."""
+    monkeypatch.setenv("MINISGL_FP8_V_WIDEN", "first")
+    rows = hopper_report("fp8")
+    assert len(rows) == 2 and all("widened first" in name for name in rows), rows
+    for cells in rows.values():
+        stack, dots, byte_reads = int(cells[1]), int(cells[5]), int(cells[6])
+        assert dots > 0 and byte_reads == 0 and stack == 0, rows
 
 
 def rotated(qkv: torch.Tensor, positions: torch.Tensor, rope, hq: int, hkv: int, d: int):

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import build_for_hopper
+from helpers import hopper_report
 
 from minisgl.core import Context, set_global_ctx
 from minisgl.env import ENV
@@ -405,26 +405,13 @@ def test_two_pass_kernels_equal_the_token_by_token_recurrence(dtype, tol) -> Non
     assert not torch.equal(s2[1, 1], make_pool().ssm[1, 1])  # the 64 tokens' did change
 
 
-CAPPED_BUILD = """
-from minisgl.kernels.gated_delta import _decode_kernel
-
-POINTERS = {"SSM": "*fp32", "ALog": "*fp32", "DtBias": "*fp32", "NormW": "*fp32",
-            "Slots": "*i32"}
-for per_key in (1, 2):  # Qwen3.5-0.8B's heads (16 value heads), the 9B's (32)
-    consts = dict(KEY_DIM=16 * 128, DK=128, DV=128, PER_KEY=per_key, WIDTH=4, BLOCK_DK=128,
-                  BLOCK_DV=128, BLOCK_W=4, EARLY=False)
-    pointers = {n: "*bf16" for n in _decode_kernel.arg_names if n[0].isupper()} | POINTERS
-    kernel = build(_decode_kernel, consts, pointers, {"eps", "scale"}, num_warps=8, maxnreg=128)
-    print(per_key, usage(kernel)["REG"], usage(kernel)["STACK"], sass(kernel).count("STL"))
-"""
-
-
-def test_the_fused_decode_capped_at_128_registers_spills_nothing(tmp_path) -> None:
-    """Built for sm_90 on the CPU at 8 warps and capped at 128 registers a thread (maxnreg,
-    MINISGL_GATED_DELTA_REGISTERS=128: two programs an SM), the fused decode kernel of
-    Qwen3.5's 0.8B and 9B heads stays within them and spills nothing to local memory. (As
-    the compiler leaves it, Triton 3.6 takes 148 and 138: one program an SM.)"""
-    rows = [tuple(map(int, line.split())) for line in build_for_hopper(CAPPED_BUILD, tmp_path)]
-    assert [r[0] for r in rows] == [1, 2]
-    for _, registers, stack, spill_stores in rows:
-        assert registers <= 128 and stack == 0 and spill_stores == 0, rows
+def test_the_fused_decode_capped_at_128_registers_spills_nothing() -> None:
+    """Built for sm_90 on the CPU at 8 warps (tools/kernel_report.py) and capped at 128
+    registers a thread (maxnreg, MINISGL_GATED_DELTA_REGISTERS=128: two programs an SM), the
+    fused decode kernel of Qwen3.5's 0.8B and 9B heads stays within them and spills nothing
+    (no stack frame). As the compiler leaves it, Triton 3.6 takes 148 and 138: one program."""
+    rows = hopper_report("gated-delta")
+    capped = {name: cells for name, cells in rows.items() if name.endswith("at most 128")}
+    assert len(rows) == 4 and len(capped) == 2, rows
+    for registers, stack, _, fit, *_ in capped.values():
+        assert int(registers) <= 128 and int(stack) == 0 and int(fit) >= 2, rows
