@@ -17,13 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-import triton.language as tl
-from helpers import TINY, all_logits, hopper_report, make_engine, need, run_tool
+from helpers import TINY, all_logits, make_engine, need, run_tool
 from safetensors.torch import save_file
 
 from minisgl.core import Req, SamplingParams
 from minisgl.distributed.info import set_tp_info
-from minisgl.kernels import fp8_attention
 from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.kernels.fused_decode import decode_attention_qkv
@@ -112,63 +110,6 @@ def test_attention_kernels_read_stored_times_scale() -> None:
     for b, (start, end) in enumerate([(0, 4), (4, 9)]):
         q_pos = torch.arange(lens[b] - (end - start), lens[b])
         torch.testing.assert_close(got[start:end], want(q[start:end], b, q_pos), rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("kernel", ["decode", "one kernel", "extend 16 rows", "extend 64 rows"])
-def test_values_widened_where_loaded_give_the_same_attention(kernel, monkeypatch) -> None:
-    """bf16 queries over e4m3 K/V (the dots in fp16): the values widened where they are
-    loaded (MINISGL_FP8_V_WIDEN=first: pairs of channels split and joined) give the same
-    output, to the bit, as the cast after the layout change; both near torch's."""
-    gen = torch.Generator().manual_seed(6)
-    slots, hkv, hq, d, sm = 160, 2, 4, 32, 32**-0.5
-    k8, v8 = (stored(torch.randn(slots, hkv, d, generator=gen) * 3, s) for s in (KS, VS))
-    table = torch.randperm(slots, generator=gen).view(2, 80).int()
-    lens = [70, 41]
-    rows, seq_lens = torch.tensor([1, 0], dtype=torch.int32), torch.tensor(lens, dtype=torch.int32)
-    new = 40 if kernel == "extend 64 rows" else 1 if kernel != "extend 16 rows" else 5
-    q = torch.randn(2 * new, hq, d, generator=gen).bfloat16()
-    qkv = torch.cat([q.view(2, -1), torch.randn(2, 2 * hkv * d, generator=gen).bfloat16()], 1)
-    rope = RotaryEmbedding(d, 10000.0, 128, torch.device("cpu"))
-    positions = seq_lens - 1
-
-    def run(first: bool) -> torch.Tensor:
-        monkeypatch.setattr(fp8_attention, "WIDEN_FIRST", tl.constexpr(first))
-        kc, vc = k8.clone().to(DEV), v8.clone().to(DEV)
-        where = [t.to(DEV) for t in (table, rows, seq_lens)]
-        if kernel == "decode":
-            return decode_attention(q.to(DEV), kc, vc, *where, sm, k_scale=KS, v_scale=VS)
-        if kernel == "one kernel":
-            out_loc = table[rows.long(), positions.long()].to(DEV)
-            return decode_attention_qkv(
-                qkv.to(DEV), positions.to(DEV), rope.cos_sin.to(DEV), None, None, 1e-6, kc, vc,
-                out_loc, *where, sm, hq, hkv, d, k_scale=KS, v_scale=VS,
-            )  # fmt: skip
-        qo = torch.tensor([0, new, 2 * new], dtype=torch.int32, device=DEV)
-        return extend_attention(q.to(DEV), kc, vc, *where, qo, new, sm, k_scale=KS, v_scale=VS)
-
-    last, first = run(False).cpu(), run(True).cpu()
-    assert torch.equal(first, last)
-    if kernel != "one kernel":  # (it stores the new key first: its own test is below)
-        for b in range(2):
-            ids = table[rows[b], : lens[b]].long()
-            q_pos = torch.arange(lens[b] - new, lens[b])
-            want = attention(q[b * new : (b + 1) * new], k8[ids].float() * KS,
-                             v8[ids].float() * VS, q_pos, sm)  # fmt: skip
-            torch.testing.assert_close(first[b * new : (b + 1) * new].float(), want,
-                                       rtol=1e-2, atol=1e-2)  # fmt: skip
-
-
-def test_values_widened_first_take_no_byte_reads_on_a_hopper_card(monkeypatch) -> None:
-    """The split and one-kernel decode over e4m3 with fp16 dots, built for sm_90 on the CPU
-    (tools/kernel_report.py) with MINISGL_FP8_V_WIDEN=first: the tensor cores run their
-    dots, and no value is read from shared memory a byte at a time (Triton's own order reads
-    128 a thread in every block of 64 keys)."""
-    monkeypatch.setenv("MINISGL_FP8_V_WIDEN", "first")
-    rows = hopper_report("fp8")
-    assert len(rows) == 2 and all("widened first" in name for name in rows), rows
-    for cells in rows.values():
-        stack, dots, byte_reads = int(cells[1]), int(cells[5]), int(cells[6])
-        assert dots > 0 and byte_reads == 0 and stack == 0, rows
 
 
 def rotated(qkv: torch.Tensor, positions: torch.Tensor, rope, hq: int, hkv: int, d: int):

@@ -16,8 +16,9 @@ their slots in a state pool. The sides:
 - ours: kernels/gated_delta.py (MINISGL_GATED_DELTA=triton): one kernel a decode step
   ("ours, split N": two, the recurrence's programs holding N value columns each:
   MINISGL_GATED_DELTA_DECODE=split; `--split-columns 16,32,64:2` compares several, 64:2
-  with 2 warps a program; "ours, fused, R registers": the one kernel with its registers
-  capped at R a thread, `--fused-registers 128`: MINISGL_GATED_DELTA_REGISTERS); a
+  with 2 warps a program; "ours, fused, at most R registers": the one kernel with its
+  registers capped at R a thread (MINISGL_GATED_DELTA_REGISTERS, 128 by default),
+  `--fused-registers 0,96` compares others, 0 the compiler's choice); a
   prefill's conv, conv-state update and chunked recurrence (16 tokens a step), then the
   gated norm; "ours, by token" is the same with the token-by-token recurrence, "ours, two
   passes" with kernels/gated_delta_chunks.py's (every chunk's own work at once, then the
@@ -302,8 +303,10 @@ def bench(case: Case, args: argparse.Namespace, fla, device, dtype) -> list[str]
             sides[f"ours, split {columns}"] = setup.decode_split(columns)
             diffs[f"ours, split {columns}"] = max_diff(setup, sides[f"ours, split {columns}"])
         for cap in args.fused_registers:
-            sides[f"ours, fused, {cap} registers"] = setup.fused_capped(cap)
-            diffs[f"ours, fused, {cap} registers"] = max_diff(setup, setup.fused_capped(cap))
+            most = f"at most {cap}" if cap else "the compiler's"
+            name = f"ours, fused, {most} registers"
+            sides[name] = setup.fused_capped(cap)
+            diffs[name] = max_diff(setup, setup.fused_capped(cap))
     else:
         for rule in ("by token", "two passes"):
             sides[f"ours, {rule}"] = setup.prefill_with(rule)
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--fused-registers",
         default="",
-        help="decode in the fused kernel with its registers capped: caps a thread, e.g. 128",
+        help="decode in the fused kernel with these caps of registers a thread (0: none)",
     )
     p.add_argument("--dry-run", action="store_true", help="list the cases and exit")
     args = parse(p, argv)
@@ -369,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     todo = cases(args)
     fla = fla_ops()
     split = "".join(f", ours split {c}" for c in args.split_columns)
-    split += "".join(f", ours fused {c} registers" for c in args.fused_registers)
+    split += "".join(f", ours fused at most {c} registers" for c in args.fused_registers)
     sides = f"torch, ours{split}" + (f", fla {fla[2]}" if fla else " (fla-core not importable)")
     if args.dry_run:
         print(f"{len(todo)} cases on {args.device}, {args.dtype}; sides: {sides}")

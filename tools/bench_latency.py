@@ -256,9 +256,6 @@ def main() -> None:
         plot(args, results)
 
 
-READ_ONCE = {"FP8_V_WIDEN"}  # knobs baked into kernels as they build (kernels/fp8_attention.py)
-
-
 def parse_variants(spec: str) -> dict[str, dict[str, str]]:
     """ "a:X=1,Y=on;b:X=0" -> {"a": {"X": "1", "Y": "on"}, "b": {"X": "0"}}, knobs checked."""
     from minisgl.env import ENV
@@ -270,11 +267,6 @@ def parse_variants(spec: str) -> dict[str, dict[str, str]]:
         for knob in settings:
             if not hasattr(ENV, knob):
                 raise SystemExit(f"--variants: MINISGL_{knob} is not a knob of minisgl.env")
-            if knob in READ_ONCE:
-                raise SystemExit(
-                    f"--variants: MINISGL_{knob} is read once a process (when the "
-                    "kernels build): compare its settings in separate processes"
-                )
         variants[name] = settings
     return variants
 

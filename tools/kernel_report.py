@@ -14,11 +14,11 @@ kernel:
   them, tensor-core instructions, one-byte shared-memory reads (`LDS.U8`) and spill stores
   (a kernel whose loops the compiler unrolled has none: "-").
 
-Times are for the GPU to measure; this says where to look. Knobs that the kernels read as
-they build (MINISGL_FP8_V_WIDEN) apply from the environment, as in the engine:
+Times are for the GPU to measure; this says where to look, and what a change did to the
+machine code (a kernel that uses fewer registers is not always faster: measure it).
 
     python tools/kernel_report.py
-    MINISGL_FP8_V_WIDEN=first python tools/kernel_report.py --only fp8
+    python tools/kernel_report.py --only fp8,gated-delta
     pip install --no-deps --target /tmp/triton36 triton==3.6.0   # the GPU image's Triton
     PYTHONPATH=/tmp/triton36 python tools/kernel_report.py
 """
@@ -153,21 +153,20 @@ def attention(kv: str, out: Path) -> list[str]:
     shape = dict(GROUP=2, BLOCK_H=16, BLOCK_N=64 if kv == "fp8" else 32, HEAD_DIM=128,
                  BLOCK_D=128, NUM_SPLITS=1, IEEE=False, FP16_DOTS=kv == "fp8")  # fmt: skip
     fused = dict(Q_HEADS=16, KV_HEADS=8, MIN_SPLIT=128, QK_NORM=True, PDL=False)
-    widen = f", values widened {os.environ.get('MINISGL_FP8_V_WIDEN', 'last')}" * (kv == "fp8")
     rows = []
     for kernel, more, what in (
         (_decode_qkv_kernel, fused, "fused decode"),
         (_decode_split_kernel, {}, "split decode"),
     ):
         path = build(kernel, shape | more, pointers, ATTN_FLOATS, out, num_warps=2)
-        rows.append(report(f"{what}, Qwen3-0.6B heads, {kv} K/V{widen}", path, 2))
+        rows.append(report(f"{what}, Qwen3-0.6B heads, {kv} K/V", path, 2))
     return rows
 
 
 # >>> ch31 the linear layers of Qwen3.5
 def gated_delta(out: Path) -> list[str]:
     """The linear layers' fused decode at Qwen3.5-0.8B's heads (16 and 16) and the 9B's (16
-    and 32), 8 warps, as the compiler leaves it and capped at 128 registers."""
+    and 32), 8 warps, as the compiler leaves it and capped at 128 registers (the default)."""
     from minisgl.kernels.gated_delta import _decode_kernel
 
     pointers = {n: "*bf16" for n in _decode_kernel.arg_names if n[0].isupper()}

@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.fp8_attention import _widen  # [ch28]
-
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -53,9 +51,7 @@ def _attend_block(
         V + slots[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :],
         mask=kv_mask,
         other=0.0,
-    )
-    v = _widen(v, q)  # [ch28]
-    v = v.to(q.dtype)
+    ).to(q.dtype)
     acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 

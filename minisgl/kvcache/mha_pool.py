@@ -61,8 +61,9 @@ class MHAKVCache:
     ) -> None:
         if self.dtype == torch.float8_e4m3fn:  # x / scale, as x * (1 / scale) in fp32  # [ch28]
             ks, vs = self.scales(layer_id)  # [ch28]
-            k, v = k.float() * (1 / ks), v.float() * (1 / vs)  # [ch28]
-        self.k_cache(layer_id)[out_loc] = k.to(self.dtype)  # an FP8 cache: cast, saturating
+            k = (k.float() * (1 / ks)).clamp(-448.0, 448.0)  # CUDA's cast: NaN past 448  # [ch28]
+            v = (v.float() * (1 / vs)).clamp(-448.0, 448.0)  # [ch28]
+        self.k_cache(layer_id)[out_loc] = k.to(self.dtype)
         self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
 
     # >>> ch28

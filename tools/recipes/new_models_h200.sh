@@ -21,7 +21,8 @@
 #          sliding layers (256 wide, a 512-token window) and global ones (512 wide), at
 #          batch 128 and 256 (tools/sweep_attention.py --kernel split; not a default stage).
 # gdregs:  the linear layers' fused decode kernel with its registers capped at 128 a thread
-#          (MINISGL_GATED_DELTA_REGISTERS: two programs an SM) against the compiler's choice:
+#          (MINISGL_GATED_DELTA_REGISTERS, the default: two programs an SM) against the
+#          compiler's choice:
 #          the kernel alone at batch 1-256, then the 0.8B's steps and nano-vllm's workload,
 #          alternating (not a default stage).
 # GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
@@ -121,7 +122,7 @@ fi
 if [[ $STAGES == *gdregs* ]]; then
   echo "== gated delta decode, registers capped" | log
   timeout 300 python3 tools/bench_gated_delta.py --models 0.8b,9b --decode 1,8,64,256 \
-      --prefill "" --fused-registers 128 --rounds 5 2>&1 | grep -E "^\||rror" | log
+      --prefill "" --fused-registers 0 --rounds 5 2>&1 | grep -E "^\||rror" | log
   if [[ ,$SHAPES, == *,qwen3.5-0.8b,* ]]; then
     echo "== qwen3.5-0.8b steps, registers capped" | log
     timeout 400 python3 tools/bench_latency.py --model /root/qwen3.5-0.8b --skip-hf --skip-eager \
