@@ -289,6 +289,7 @@ def decode_step(
         )  # fmt: skip
     dk, dv = s.key_head_dim, s.value_head_dim
     block_dk, block_dv = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
+    early = reqs * s.num_key_heads <= EARLY_PROGRAMS  # a state held from the start: uncapped
     _decode_kernel[(reqs, s.num_key_heads)](
         qkv, z, a, b, A_log, dt_bias, conv_weight, norm_weight, conv_state, ssm_state, slots,
         out, eps, dk**-0.5,
@@ -297,8 +298,8 @@ def decode_step(
         KEY_DIM=s.num_key_heads * dk, DK=dk, DV=dv,
         PER_KEY=s.num_value_heads // s.num_key_heads, WIDTH=s.conv_kernel,
         BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_W=triton.next_power_of_2(s.conv_kernel),
-        EARLY=reqs * s.num_key_heads <= EARLY_PROGRAMS,
-        num_warps=8 if block_dk * block_dv >= 128 * 64 else 4, **_registers(qkv.device),
+        EARLY=early, num_warps=8 if block_dk * block_dv >= 128 * 64 else 4,
+        **({} if early else _registers(qkv.device)),
     )  # fmt: skip
     return out
 
