@@ -224,6 +224,11 @@ class Setup:
         )  # fmt: skip
 
 
+def capped(cap: int) -> str:
+    """How a side names its register cap: "at most 128", or "the compiler's" for 0."""
+    return f"at most {cap}" if cap else "the compiler's"
+
+
 def max_diff(setup: Setup, side: Callable[[], torch.Tensor]) -> float:
     """Relative largest difference of `side`'s output from torch's, from the same states."""
     saved = setup.pool.conv.clone(), setup.pool.ssm.clone()
@@ -303,10 +308,9 @@ def bench(case: Case, args: argparse.Namespace, fla, device, dtype) -> list[str]
             sides[f"ours, split {columns}"] = setup.decode_split(columns)
             diffs[f"ours, split {columns}"] = max_diff(setup, sides[f"ours, split {columns}"])
         for cap in args.fused_registers:
-            most = f"at most {cap}" if cap else "the compiler's"
-            name = f"ours, fused, {most} registers"
+            name = f"ours, fused, {capped(cap)} registers"
             sides[name] = setup.fused_capped(cap)
-            diffs[name] = max_diff(setup, setup.fused_capped(cap))
+            diffs[name] = max_diff(setup, sides[name])
     else:
         for rule in ("by token", "two passes"):
             sides[f"ours, {rule}"] = setup.prefill_with(rule)
@@ -372,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
     todo = cases(args)
     fla = fla_ops()
     split = "".join(f", ours split {c}" for c in args.split_columns)
-    split += "".join(f", ours fused at most {c} registers" for c in args.fused_registers)
+    split += "".join(f", ours fused {capped(c)} registers" for c in args.fused_registers)
     sides = f"torch, ours{split}" + (f", fla {fla[2]}" if fla else " (fla-core not importable)")
     if args.dry_run:
         print(f"{len(todo)} cases on {args.device}, {args.dtype}; sides: {sides}")

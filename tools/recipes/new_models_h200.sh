@@ -22,9 +22,8 @@
 #          batch 128 and 256 (tools/sweep_attention.py --kernel split; not a default stage).
 # gdregs:  the linear layers' fused decode kernel with its registers capped at 128 a thread
 #          (MINISGL_GATED_DELTA_REGISTERS, the default: two programs an SM) against the
-#          compiler's choice:
-#          the kernel alone at batch 1-256, then the 0.8B's steps and nano-vllm's workload,
-#          alternating (not a default stage).
+#          compiler's choice: the kernel alone at batch 1-256, then the 0.8B's steps and
+#          nano-vllm's workload, alternating (not a default stage).
 # GEMMA4_31B_LAYERS: 31B's 60 layers are 62 GB, too much for the machine's disk beside the
 # others; it is measured with this many layers (every layer its real shape) and the time per
 # token scaled by 60 / layers, which the log says.
