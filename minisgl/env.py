@@ -61,8 +61,6 @@ class _Env:
         self.GEMV = EnvVar.read("GEMV", "auto", choices=("auto", "on", "off"))
         # decode attention from qkv in one kernel (rotary, KV store, splits and their merge)
         self.FUSED_DECODE = EnvVar.read("FUSED_DECODE", True)
-        # programmatic dependent launch of our kernels on Hopper and newer (kernels/pdl.py)
-        self.PDL = EnvVar.read("PDL", "off", choices=("off", "on"))
         # where measurements are kept between starts (engine/kernel_cache.py); empty: nowhere
         cache_home = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
         self.CACHE_DIR = EnvVar.read("CACHE_DIR", os.path.join(cache_home, "minisgl"))

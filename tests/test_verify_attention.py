@@ -233,7 +233,7 @@ def build(kernel, constants):
 shape = dict(KV_HEADS=3, GROUP=3, BLOCK_N=64, HEAD_DIM=64, BLOCK_D=64, NUM_SPLITS=16,
              MIN_SPLIT=128, IEEE=False)
 for norm in (True, False):
-    build(_decode_qkv_kernel, dict(shape, Q_HEADS=9, BLOCK_H=16, QK_NORM=norm, PDL=norm))
+    build(_decode_qkv_kernel, dict(shape, Q_HEADS=9, BLOCK_H=16, QK_NORM=norm))
     for qkv, block_q in ((True, 16), (True, 1), (False, 8)):
         build(_verify_kernel, dict(shape, BLOCK_Q=block_q, BLOCK_R=max(16, 4 * block_q),
                                    FROM_QKV=qkv, QK_NORM=norm, STORE_T=max(2, block_q)))

@@ -39,8 +39,7 @@ def build(variant: tuple[int, int, int, int, int], arch: int) -> None:
     from minisgl.kernels.gemv import _gemv_kernel
 
     m, n, k, gated, norm = variant
-    constants = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, HAS_BIAS=0, GATED=gated, NORM=norm,
-                     PDL=0)  # fmt: skip
+    constants = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, HAS_BIAS=0, GATED=gated, NORM=norm)
     signature = {**SIGNATURE, **dict.fromkeys(constants, "constexpr")}
     source = ASTSource(_gemv_kernel, signature, constants)
     triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})

@@ -11,7 +11,7 @@ captured for the measured batch sizes only.
 measurement chose it, and never), side by side.
 
 `--variants` compares settings of MINISGL_* knobs instead, each a name and its knobs
-(`three:FUSED_DECODE=0;one:FUSED_DECODE=1,PDL=on`), over `--rounds` rounds that take the
+(`plain:GEMV_MAX_ROWS=1;rows:GEMV_MAX_ROWS=16`), over `--rounds` rounds that take the
 variants in turn (ABAB...), each a fresh engine: the first engine of a process pays
 compiles that later ones find cached, so only alternation makes the sides comparable.
 It prints every round's figures and their mean, ratios to the first variant.

@@ -152,7 +152,7 @@ def attention(kv: str, out: Path) -> list[str]:
     pointers |= {n: "*bf16" for n in ("QKV", "Q", "Out", "QW", "KW")} | {"CosSin": "*fp32"}
     shape = dict(GROUP=2, BLOCK_H=16, BLOCK_N=64 if kv == "fp8" else 32, HEAD_DIM=128,
                  BLOCK_D=128, NUM_SPLITS=1, IEEE=False, FP16_DOTS=kv == "fp8")  # fmt: skip
-    fused = dict(Q_HEADS=16, KV_HEADS=8, MIN_SPLIT=128, QK_NORM=True, PDL=False)
+    fused = dict(Q_HEADS=16, KV_HEADS=8, MIN_SPLIT=128, QK_NORM=True)
     rows = []
     for kernel, more, what in (
         (_decode_qkv_kernel, fused, "fused decode"),
@@ -193,7 +193,7 @@ def gemv(out: Path) -> list[str]:
 
     pointers = {n: "*bf16" for n in ("X", "W", "Y", "BIAS", "R", "R_OUT", "NW")}
     pointers |= {"M": "i32", "N": "i32", "K": "i32"}
-    flags = dict(HAS_BIAS=False, GATED=False, NORM=True, PDL=False)
+    flags = dict(HAS_BIAS=False, GATED=False, NORM=True)
     bm, bn, bk, warps = gemv_candidates(1, 4096, 1024)[0]
     consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, M=1, **flags)
     rows = [

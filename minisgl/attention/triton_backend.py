@@ -152,7 +152,6 @@ class TritonAttnBackend(BaseAttnBackend):
             return None
         # <<< ch29
         from minisgl.kernels import fused_decode
-        from minisgl.kernels.pdl import pdl_enabled
 
         md = batch.attn_metadata
         assert isinstance(md, TritonMetadata)
@@ -176,7 +175,7 @@ class TritonAttnBackend(BaseAttnBackend):
             return self.verify_from_qkv(self, layer, batch, inputs, heads)  # [ch26]
         assert md.max_extend_len == 1
         return fused_decode.decode_attention_qkv(
-            *inputs, self.scale, *heads, pdl_enabled(qkv),
+            *inputs, self.scale, *heads,
             *self.kv_cache.scales(layer.layer_id),  # [ch28]
         )  # fmt: skip
 

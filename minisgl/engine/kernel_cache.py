@@ -125,7 +125,7 @@ def gpu_identity(device: torch.device) -> dict[str, str]:
         "triton": triton.__version__,
         "minisgl": minisgl.__version__,
         "sources": sources_hash(),
-        "knobs": f"PDL={ENV.PDL.value} FUSED_KERNELS={ENV.FUSED_KERNELS.value}",
+        "knobs": f"FUSED_KERNELS={ENV.FUSED_KERNELS.value}",
     }
 
 

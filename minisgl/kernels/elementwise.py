@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
-
 MAX_NORM_WIDTH = 65536  # one program holds a whole row in registers
 SILU_BLOCK = 1024  # columns of the output per program: an MLP's width is up to ~25K
 
@@ -28,13 +26,11 @@ SILU_BLOCK = 1024  # columns of the output per program: an MLP's width is up to 
 @triton.jit
 def _rmsnorm_kernel(
     X, R, W, Y, eps, N, heads, stride_xt, stride_xh, stride_rt, stride_yt,
-    BLOCK: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, ADD: tl.constexpr,
     SCALE_FIRST: tl.constexpr = False,  # [ch29]
 ):  # fmt: skip
     # One program per row. Rows of X are addressed as (token, head) so that a [tokens,
     # heads, head_dim] view of a wider qkv needs no copy; a 2-D X has heads == 1.
-    pdl_wait(PDL)
-    pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -97,7 +93,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows:
         _rmsnorm_kernel[(rows,)](
             x, x, weight, y, eps, n, heads, x.stride(0), stride_h, 0, n, ADD=False,
-            **_norm_launch(n), **pdl_launch(pdl_enabled(x)),
+            **_norm_launch(n),
         )  # fmt: skip
     return y
 
@@ -119,7 +115,7 @@ def fused_add_rmsnorm(
     if rows:
         _rmsnorm_kernel[(rows,)](
             x, residual, weight, x, eps, n, 1, x.stride(0), 0, residual.stride(0), x.stride(0),
-            ADD=True, **_norm_launch(n), **pdl_launch(pdl_enabled(x)),
+            ADD=True, **_norm_launch(n),
         )  # fmt: skip
 
 

@@ -37,7 +37,6 @@ from minisgl.kernels.attention import (
     decode_num_splits,
 )
 from minisgl.kernels.fp8_attention import _fp16, fp16_dots  # [ch28]
-from minisgl.kernels.pdl import pdl_launch, pdl_release, pdl_wait
 from minisgl.kernels.rope_store import _cached
 
 
@@ -110,11 +109,10 @@ def _decode_qkv_kernel(
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, QK_NORM: tl.constexpr,
-    IEEE: tl.constexpr, PDL: tl.constexpr,
+    IEEE: tl.constexpr,
     FP16_DOTS: tl.constexpr = False,  # [ch28]
 ):  # fmt: skip
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pdl_wait(PDL)
     seq_len = tl.load(SeqLens + b)
     row = tl.load(Rows + b).to(tl.int64)
     per_split = tl.maximum(tl.cdiv(seq_len, NUM_SPLITS), MIN_SPLIT)
@@ -165,7 +163,6 @@ def _decode_qkv_kernel(
         q, K, V, PageTable + row * stride_pt, start, end, kv_head, stride_ks, stride_kh,
         stride_vs, stride_vh, offs_d, d_mask, sm_scale, BLOCK_H, BLOCK_N, BLOCK_D, IEEE,
     )  # fmt: skip
-    pdl_release(PDL)  # its keys are read: the next kernel may be launched
 
     out_mask = h_mask[:, None] & d_mask[None, :]
     out_ptrs = Out + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
@@ -218,7 +215,6 @@ def decode_attention_qkv(
     q_heads: int,
     kv_heads: int,
     head_dim: int,
-    pdl: bool = False,
     k_scale: float = 1.0,  # an FP8 cache's keys and values are stored * these  # [ch28]
     v_scale: float = 1.0,  # [ch28]
 ) -> torch.Tensor:
@@ -250,7 +246,7 @@ def decode_attention_qkv(
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=launch.block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT_KEYS,
         QK_NORM=qk_norm,
-        IEEE=qkv.dtype == torch.float32, **launch.options(), **pdl_launch(pdl),
+        IEEE=qkv.dtype == torch.float32, **launch.options(),
         FP16_DOTS=fp16_dots(qkv.dtype, k_cache.dtype),  # [ch28]
     )  # fmt: skip
     return out

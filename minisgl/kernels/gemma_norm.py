@@ -21,7 +21,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.elementwise import _check_norm_args, _norm_launch, _rmsnorm_kernel
-from minisgl.kernels.pdl import pdl_enabled, pdl_launch, pdl_release, pdl_wait
 
 
 def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -36,7 +35,7 @@ def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     if rows := y.numel() // max(n, 1):
         _rmsnorm_kernel[(rows,)](
             x, x, weight, y, eps, n, heads, x.stride(0), stride_h, 0, n, ADD=False,
-            SCALE_FIRST=True, **_norm_launch(n), **pdl_launch(pdl_enabled(x)),
+            SCALE_FIRST=True, **_norm_launch(n),
         )  # fmt: skip
     return y
 
@@ -58,7 +57,7 @@ def gemma_fused_add_rmsnorm(
     if rows:
         _rmsnorm_kernel[(rows,)](
             x, residual, weight, x, eps, n, 1, x.stride(0), 0, residual.stride(0), x.stride(0),
-            ADD=True, SCALE_FIRST=True, **_norm_launch(n), **pdl_launch(pdl_enabled(x)),
+            ADD=True, SCALE_FIRST=True, **_norm_launch(n),
         )  # fmt: skip
     return x, residual
 
@@ -68,12 +67,10 @@ def gemma_fused_add_rmsnorm(
 @triton.jit(do_not_specialize=["scaled", "then"])
 def _norm_add_kernel(
     Y, X, W, S, W2, X_OUT, N_OUT, eps, N, scaled, then,
-    stride_y, stride_x, stride_xo, stride_no, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    stride_y, stride_x, stride_xo, stride_no, BLOCK: tl.constexpr,
 ):  # fmt: skip
     # One program per row, each step rounded to the model dtype as torch's would be:
     # X_OUT = (X + norm(Y) * W) [* S if scaled]; if then, N_OUT = norm(X_OUT) * W2.
-    pdl_wait(PDL)
-    pdl_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -124,7 +121,7 @@ def gemma_norm_add(
             next_weight if next_weight is not None else weight, out,
             normed if normed is not None else out, eps, n, int(scale is not None),
             int(next_weight is not None), y.stride(0), x.stride(0), out.stride(0),
-            out.stride(0), **_norm_launch(n), **pdl_launch(pdl_enabled(x)),
+            out.stride(0), **_norm_launch(n),
         )  # fmt: skip
     return out, normed
 

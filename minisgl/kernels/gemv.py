@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates, mma_gemv  # [ch26]
-from minisgl.kernels.pdl import pdl_launch, pdl_release, pdl_wait
 
 MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
 # >>> ch26 the CUDA cores take up to FMA_ROWS rows; the tensor cores up to MMA_ROWS
@@ -39,7 +38,7 @@ ACC_PER_THREAD = 64  # fp32 partial sums a thread keeps: more spill out of its r
 def _gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N].
     # NORM: the input is RMSNorm(x + r) with weight NW; program 0 also writes x + r to R_OUT.
@@ -57,22 +56,12 @@ def _gemv_kernel(
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PDL:  # the first block of weights before the wait: no kernel writes them
-        first_mask = n_mask[:, None] & (rk < K)[None, :]
-        w_first = tl.load(w_ptrs, mask=first_mask, other=0.0)
-        u_first = tl.load(up_ptrs, mask=first_mask, other=0.0) if GATED else w_first
-    pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
         k_mask = rk < K - k
         x_mask = m_mask[:, None] & k_mask[None, :]
-        if PDL and k == 0:
-            w = w_first
-            if GATED:
-                u = u_first
-        else:
-            w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if GATED:
-                u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        if GATED:
+            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(X + x_offs, mask=x_mask, other=0.0)
         if NORM:  # x + r, rounded to the model dtype as the unfused add is
             x = x.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
@@ -89,7 +78,6 @@ def _gemv_kernel(
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_offs += BLOCK_K
-    pdl_release(PDL)  # its weights are read: the next kernel may be launched
     dtype = Y.dtype.element_ty
     y = tl.sum(acc, axis=2)
     if GATED:
@@ -166,7 +154,6 @@ def gemv(
     blocks: Blocks | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
 
@@ -174,14 +161,13 @@ def gemv(
     (a merged gate_up projection and the SiLU-and-mul after it, in one kernel).
     norm = (residual, residual_out, norm_weight, eps): the input is RMSNorm(x + residual)
     instead of x (the residual add and the norm before a projection, in the same kernel),
-    and x + residual is written to residual_out, a tensor of x's shape apart from both.
-    pdl: launched with programmatic dependent launch (kernels/pdl.py)."""
+    and x + residual is written to residual_out, a tensor of x's shape apart from both."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
     # >>> ch26 the tensor cores' launches (MmaBlocks) go to their own kernel
     blocks = blocks or gemv_blocks(m, n, k, gated)
     if isinstance(blocks, MmaBlocks):
-        return mma_gemv(x, weight, blocks, bias, gated, norm, pdl)
+        return mma_gemv(x, weight, blocks, bias, gated, norm)
     # <<< ch26
     assert m <= MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert not (gated and bias is not None)
@@ -197,6 +183,6 @@ def gemv(
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm is not None, num_warps=warps, **pdl_launch(pdl),
+        GATED=gated, NORM=norm is not None, num_warps=warps,
     )  # fmt: skip
     return y

@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.pdl import pdl_launch, pdl_release, pdl_wait
-
 MMA_ROWS = 16  # rows of x this kernel takes: the narrow side of the tensor cores' product
 
 
@@ -44,7 +42,7 @@ class MmaBlocks(NamedTuple):
 def _mma_gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # y^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T [K, 16]. Rows of W past N are read as row 0
     # (never stored), so only K's tail, where K % BLOCK_K != 0, masks the loads of W.
@@ -60,7 +58,6 @@ def _mma_gemv_kernel(
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    pdl_wait(PDL)
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
             x_mask = m_mask[None, :]
@@ -89,7 +86,6 @@ def _mma_gemv_kernel(
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_offs += BLOCK_K
-    pdl_release(PDL)  # its weights are read: the next kernel may be launched
     dtype = Y.dtype.element_ty
     y = acc
     if NORM:
@@ -126,7 +122,6 @@ def mma_gemv(
     bias: torch.Tensor | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    pdl: bool = False,
 ) -> torch.Tensor:
     """x [m, k] (m <= MMA_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n] on the tensor
     cores; gated and norm as kernels.gemv.gemv, whose arguments these are."""
@@ -146,6 +141,6 @@ def mma_gemv(
         BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm is not None, EVEN_K=k % blocks.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=blocks.warps, num_stages=blocks.stages, **pdl_launch(pdl),
+        num_warps=blocks.warps, num_stages=blocks.stages,
     )  # fmt: skip
     return y

@@ -61,10 +61,7 @@ class KernelPlan:
         # >>> ch20
         gemv = None
         if (kernel := gemv_kernel(fused)) and ENV.GEMV.value != "off":
-            from minisgl.kernels.pdl import pdl_enabled
-
-            pdl = pdl_enabled(torch.empty(0, device=device))
-            gemv = GemvPlan(kernel, ENV.GEMV.value, ENV.GEMV_MAX_ROWS.value, pdl)
+            gemv = GemvPlan(kernel, ENV.GEMV.value, ENV.GEMV_MAX_ROWS.value)
         decode = getattr(backend, "decode_from_qkv", None) if ENV.FUSED_DECODE.value else None
         # <<< ch20
         return cls(

@@ -179,7 +179,6 @@ class GemvPlan:
     kernel: Callable  # kernels.gemv.gemv
     mode: str  # MINISGL_GEMV: auto (the table decides) or on (the default blocks)
     max_rows: int  # MINISGL_GEMV_MAX_ROWS: more rows than this always go to the library
-    pdl: bool  # launched with programmatic dependent launch (kernels/pdl.py)
     table: GemvTable | None = None  # measured at start-up; None: not yet, the library
     feeds: dict[int, GemvKey] = field(default_factory=dict)  # id(norm weight) -> its projection
     recording: list[ProjectionCall] | None = None  # the start-up forward: record, run the library
@@ -270,7 +269,7 @@ def gemv_matmul(plan: GemvPlan, gated: bool, library: Callable) -> Callable:
     count, where it has some; else `library`. gated: the weight is a merged [gate; up] and
     the result silu(gate) * up. A NormedInput is normed in the same kernel (or, where the
     library runs after all, apart from it)."""
-    kernel, max_rows, pdl = plan.kernel, plan.max_rows, plan.pdl
+    kernel, max_rows = plan.kernel, plan.max_rows
 
     def matmul(self: Linear, x: torch.Tensor | NormedInput) -> torch.Tensor:
         if type(x) is NormedInput:
@@ -278,13 +277,11 @@ def gemv_matmul(plan: GemvPlan, gated: bool, library: Callable) -> Callable:
             if blocks is None:
                 return library(self, x.compute())
             norm = (x.residual, x.residual_out, x.weight, x.eps)
-            return kernel(
-                x.x, self.weight, self.bias, blocks=blocks, gated=gated, norm=norm, pdl=pdl
-            )
+            return kernel(x.x, self.weight, self.bias, blocks=blocks, gated=gated, norm=norm)
         rows = x.size(0)
         if x.dim() == 2 and rows <= max_rows and x.stride(1) == 1 and self.gemv_blocks[rows]:
             blocks = self.gemv_blocks[rows]
-            return kernel(x, self.weight, self.bias, blocks=blocks, gated=gated, pdl=pdl)
+            return kernel(x, self.weight, self.bias, blocks=blocks, gated=gated)
         return library(self, x)
 
     return matmul

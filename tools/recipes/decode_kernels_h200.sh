@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The decode-step kernel comparisons of docs/benchmarks.md ("One decode layer, few kernels"):
 # random weights in a published shape, the fused decode kernel's tests on the GPU, then the
-# variants of MINISGL_FUSED_DECODE and MINISGL_PDL in alternating rounds (bench_latency.py
+# variants of MINISGL_FUSED_DECODE in alternating rounds (bench_latency.py
 # --variants) and a profile of the step with each end of the comparison.
 #
 #   OUT=/tmp/out SHAPE=llama-3.2-1b bash tools/recipes/decode_kernels_h200.sh   # repo root
@@ -16,8 +16,8 @@ IN_LEN=${IN_LEN:-32}
 OUT_LEN=${OUT_LEN:-128}
 BATCHES=${BATCHES:-1,8}
 ROUNDS=${ROUNDS:-2}
-VARIANTS=${VARIANTS:-"three:FUSED_DECODE=0,PDL=off;one:FUSED_DECODE=1,PDL=off;one+pdl:FUSED_DECODE=1,PDL=on"}
-PROFILES=${PROFILES:-"FUSED_DECODE=0,PDL=off;FUSED_DECODE=1,PDL=on"}
+VARIANTS=${VARIANTS:-"three:FUSED_DECODE=0;one:FUSED_DECODE=1"}
+PROFILES=${PROFILES:-"FUSED_DECODE=0;FUSED_DECODE=1"}
 TESTS=${TESTS:-1}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 mkdir -p "$OUT"

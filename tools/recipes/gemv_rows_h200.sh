@@ -7,7 +7,7 @@
 #   OUT=/tmp/out bash tools/recipes/gemv_rows_h200.sh                 # repo root, ~8 min
 #   OUT=/tmp/out SHAPES=qwen3-8b BATCHES=1,8 STARTS=0 bash tools/recipes/gemv_rows_h200.sh
 #   OUT=/tmp/out KERNELS=smollm2-135m,qwen3-0.6b VERIFY=smollm2-135m \
-#     VARIANTS="pdl:PDL=on;plain:PDL=off" SHAPES="smollm2-135m qwen3-0.6b" \
+#     VARIANTS="extend:VERIFY_ATTN=extend;split:VERIFY_ATTN=split" SHAPES="smollm2-135m qwen3-0.6b" \
 #     BATCHES=1,2,4,8,16 STARTS=0 bash tools/recipes/gemv_rows_h200.sh   # any knobs, A/B
 #
 # 0. KERNELS (models of tools/bench_gemv.py, none by default): each projection at 2-16 rows,
