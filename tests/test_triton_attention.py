@@ -20,7 +20,7 @@ from minisgl.attention.torch_backend import TorchAttnBackend
 from minisgl.attention.triton_backend import TritonAttnBackend
 from minisgl.core import SamplingParams
 from minisgl.env import ENV
-from minisgl.kernels.attention import DECODE_MAX_SPLITS, decode_num_splits
+from minisgl.kernels.attention import DECODE_MAX_SPLITS, Launch, decode_num_splits
 from minisgl.kernels.decode_attention import decode_attention
 from minisgl.kernels.extend_attention import extend_attention
 from minisgl.llm import LLM
@@ -95,6 +95,17 @@ def test_split_count_is_a_power_of_two_that_shrinks_with_the_batch() -> None:
     assert splits == sorted(splits, reverse=True) and splits[-1] == 1
     assert splits[0] == DECODE_MAX_SPLITS  # one request: as many splits as allowed
     assert all(s & (s - 1) == 0 for s in splits)
+
+
+def test_a_launch_caps_registers_only_when_asked() -> None:
+    """A sweep's register cap reaches the launch as Triton's `maxnreg`; the engine's launches
+    (no cap) leave the compiler's choice."""
+    assert Launch(64, 2).options() == {"num_warps": 2}
+    assert Launch(64, 4, 3, registers=128).options() == {
+        "num_warps": 4,
+        "num_stages": 3,
+        "maxnreg": 128,
+    }
 
 
 def test_registry_offers_triton_but_auto_keeps_torch_on_cpu(monkeypatch) -> None:

@@ -160,6 +160,12 @@ def attention(kv: str, out: Path) -> list[str]:
     ):
         path = build(kernel, shape | more, pointers, ATTN_FLOATS, out, num_warps=2)
         rows.append(report(f"{what}, Qwen3-0.6B heads, {kv} K/V", path, 2))
+    if kv == "fp8":  # launches `sweep_attention.py --registers` may try: more programs an SM
+        for keys, warps in ((64, 4), (32, 2)):
+            path = build(_decode_qkv_kernel, shape | fused | {"BLOCK_N": keys}, pointers,
+                         ATTN_FLOATS, out, num_warps=warps, maxnreg=128)  # fmt: skip
+            label = f"fused decode, fp8 K/V, {keys} keys, {warps} warps, at most 128 registers"
+            rows.append(report(label, path, warps))
     return rows
 
 

@@ -219,19 +219,20 @@ def sweep(kind: str, launches: list[attn.Launch], default: attn.Launch, fn, iter
             ms = None
         rows.append((launch, ms))
     best = min((ms for _, ms in rows if ms is not None), default=None)
-    print(f"| block_m | block_n | warps | stages | us | {work[1]} | vs default |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| block_m | block_n | warps | stages | registers | us | {work[1]} | vs default |")
+    print("|---|---|---|---|---|---|---|---|")
     base = rows[0][1]
     for launch, ms in sorted(rows, key=lambda r: (r[1] is None, r[1] or 0.0)):
         mark = " (default)" if launch == default else ""
         if ms is None:
             print(f"| {launch.block_m} | {launch.block_n} | {launch.warps} | {launch.stages} | "
-                  f"failed | | |{mark}")  # fmt: skip
+                  f"{launch.registers or '-'} | failed | | |{mark}")  # fmt: skip
             continue
         rate = work[0] / (ms * 1e-3) / 1e12
         print(
             f"| {launch.block_m} | {launch.block_n} | {launch.warps} | {launch.stages} | "
-            f"{ms * 1e3:.1f} | {rate:.2f} | {base / ms if base else 0:.2f}x |{mark}"
+            f"{launch.registers or '-'} | {ms * 1e3:.1f} | {rate:.2f} | "
+            f"{base / ms if base else 0:.2f}x |{mark}"
         )
     print(f"best {best * 1e3:.1f} us" if best else "nothing ran")
     return [{"launch": vars(x), "ms": ms} for x, ms in rows]
@@ -250,6 +251,9 @@ def main() -> None:
     p.add_argument("--block-n", type=ints, default=[32, 64, 128])
     p.add_argument("--warps", type=ints, default=[2, 4, 8])
     p.add_argument("--stages", type=ints, default=[0, 2, 3, 4], help="0: Triton's default")
+    p.add_argument(
+        "--registers", type=ints, default=[0], help="decode: caps a thread, 0: the compiler's"
+    )
     p.add_argument("--extend-block-m", type=ints, default=[64, 128])
     p.add_argument("--extend-block-n", type=ints, default=[32, 64, 128])
     p.add_argument("--extend-warps", type=ints, default=[4, 8])
@@ -272,7 +276,7 @@ def main() -> None:
     if args.smoke:
         decode, args.extend_lens, args.iters = [(2, 40)], [24], 1
         verify, args.verify_block_tokens, args.verify_min_split = [(2, 40, 5)], [0, 2], [16]
-        args.block_n, args.warps, args.stages = [16, 32], [2], [0]
+        args.block_n, args.warps, args.stages, args.registers = [16, 32], [2], [0], [0]
         args.extend_block_m, args.extend_block_n = [16], [16, 32]
         args.extend_warps, args.extend_stages = [4], [0]
     where = torch.cuda.get_device_name() if graph else "cpu"
@@ -285,8 +289,10 @@ def main() -> None:
         for bs, ctx in decode:
             shape = Shape(args, kv_dtype, bs, ctx)
             launches = [
-                attn.Launch(n, w, s or None)
-                for n, w, s in itertools.product(args.block_n, args.warps, args.stages)
+                attn.Launch(n, w, s or None, registers=r)
+                for n, w, s, r in itertools.product(
+                    args.block_n, args.warps, args.stages, args.registers
+                )
             ]
             print(f"\n== decode, K/V {name}, batch {bs} x context {ctx}, {args.kernel} kernel")
             read = min(ctx, args.window or ctx) if args.kernel == "split" else ctx

@@ -89,15 +89,19 @@ DECODE_WARPS_FROM_BS8 = 2
 @dataclass(frozen=True)
 class Launch:
     """How a kernel is launched: keys per block (and queries per block for extend), warps
-    per program, and the software pipeline's stages (None: Triton's default)."""
+    per program, the software pipeline's stages (None: Triton's default), and at most how
+    many registers a thread takes (0: the compiler's choice; fewer let more programs share
+    an SM, more may spill to memory; a CUDA launch option, Triton's `maxnreg`)."""
 
     block_n: int
     warps: int
     stages: int | None = None
     block_m: int = 0  # extend only
+    registers: int = 0
 
     def options(self) -> dict:
-        return {"num_warps": self.warps} | ({"num_stages": self.stages} if self.stages else {})
+        options = {"num_warps": self.warps} | ({"num_stages": self.stages} if self.stages else {})
+        return options | ({"maxnreg": self.registers} if self.registers else {})
 
 
 _override: dict[str, Launch] = {}
