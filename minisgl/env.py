@@ -59,6 +59,8 @@ class _Env:
         # auto: where the start-up measurement saw it beat the matmul library; on, off: always,
         # never (for benchmarks)
         self.GEMV = EnvVar.read("GEMV", "auto", choices=("auto", "on", "off"))
+        # MB of the next projection's weights each GEMV sends into L2 (kernels/prefetch.py; 0: off)
+        self.GEMV_PREFETCH = EnvVar.read("GEMV_PREFETCH", 0)
         # decode attention from qkv in one kernel (rotary, KV store, splits and their merge)
         self.FUSED_DECODE = EnvVar.read("FUSED_DECODE", True)
         # where measurements are kept between starts (engine/kernel_cache.py); empty: nowhere
@@ -79,9 +81,12 @@ class _Env:
         # where the start-up measurement finds them faster (docs/benchmarks.md)
         self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 16)
         # a verify batch's attention in our kernels: split (its few new tokens a request over
-        # ranges of keys in parallel, kernels/verify_attention.py) or extend (a program per
-        # query head walks every key, as a prompt's chunk does)
-        self.VERIFY_ATTN = EnvVar.read("VERIFY_ATTN", "extend", choices=("extend", "split"))
+        # ranges of keys in parallel, kernels/verify_attention.py; split-qkv: from the layer's
+        # qkv in one launch) or extend (a program per query head walks every key, as a
+        # prompt's chunk does)
+        self.VERIFY_ATTN = EnvVar.read(
+            "VERIFY_ATTN", "extend", choices=("extend", "split", "split-qkv")
+        )
         # <<< ch26
         # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused
         # kernels run (triton: 1.07-1.22x faster steps at batch 1-256, docs/benchmarks.md),
