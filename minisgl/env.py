@@ -59,8 +59,6 @@ class _Env:
         # auto: where the start-up measurement saw it beat the matmul library; on, off: always,
         # never (for benchmarks)
         self.GEMV = EnvVar.read("GEMV", "auto", choices=("auto", "on", "off"))
-        # MB of the next projection's weights each GEMV sends into L2 (kernels/prefetch.py; 0: off)
-        self.GEMV_PREFETCH = EnvVar.read("GEMV_PREFETCH", 0)
         # decode attention from qkv in one kernel (rotary, KV store, splits and their merge)
         self.FUSED_DECODE = EnvVar.read("FUSED_DECODE", True)
         # where measurements are kept between starts (engine/kernel_cache.py); empty: nowhere

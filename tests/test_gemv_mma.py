@@ -115,7 +115,7 @@ def test_a_verify_of_eight_drafts_in_the_tensor_cores_keeps_the_tokens(
     vocab = ModelConfig.from_path(need(TINY["llama"])).vocab_size
     rows: list[tuple[int, bool, bool]] = []
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, prefetch=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
         if weight.size(0) == vocab:  # the LM head: left to the library (the interpreter is slow)
             return F.linear(x, weight, bias)
         if isinstance(blocks, MmaBlocks):

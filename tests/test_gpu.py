@@ -246,36 +246,6 @@ def test_gemv_decode_matches_the_matmul_library_and_hf(
     assert (out[1].argmax(-1) == ref.argmax(-1))[clear].all()
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-    reason="the bulk prefetch into L2 is an sm_90 instruction",
-)
-@pytest.mark.parametrize("rows", [1, 8])
-def test_gemv_sending_the_next_weights_into_l2_gives_the_same_bits(rows: int) -> None:
-    """Each GEMV launch with the next projection's weights sent into L2 (kernels/prefetch.py)
-    computes exactly what it computes without: the CUDA cores' GEMV at one row, the tensor
-    cores' at eight, plain, gated and with the norm folded in, a prefetch of part of the next
-    weights and of all of them."""
-    from minisgl.kernels.gemv import gemv, gemv_candidates
-    from minisgl.layers.triton_ops import prefetch_of
-
-    torch.manual_seed(0)
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    following = torch.randn(3000, 1024, device=dev, dtype=bf)
-    for n, k, gated in ((1024, 2048, False), (3072, 1024, True), (4096, 1024, False)):
-        w = torch.randn(n * (1 + gated), k, device=dev, dtype=bf) * 0.02
-        x = torch.randn(rows, k, device=dev, dtype=bf)
-        norm = (torch.randn_like(x), torch.empty_like(x), torch.rand(k, device=dev, dtype=bf), 1e-6)
-        for blocks in gemv_candidates(rows, n, k, gated):
-            for folded in (None, norm):
-                want = gemv(x, w, blocks=blocks, gated=gated, norm=folded)
-                for cap in (1 << 20, following.nbytes):
-                    ahead = prefetch_of(following, cap)
-                    assert ahead is not None and ahead[1] == min(cap, following.nbytes)
-                    got = gemv(x, w, blocks=blocks, gated=gated, norm=folded, prefetch=ahead)
-                    assert torch.equal(got, want), (n, k, gated, blocks, cap)
-
-
 @NEEDS_FI
 def test_fused_kernels_match_reference() -> None:
     from types import MethodType, SimpleNamespace

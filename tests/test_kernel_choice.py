@@ -39,10 +39,7 @@ def test_pick_keeps_the_gemv_only_where_it_wins_by_the_margin() -> None:
 def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """Library wins everywhere: no GEMV, no norm deferred. The GEMV wins but at the LM head:
     every projection but that one in the kernel, norms folded in. It wins at qkv only: the norm
-    before gate_up is not deferred, since gate_up does not take it (the plan asks the table).
-    With MINISGL_GEMV_PREFETCH, each GEMV is handed the weights of the projection after it in
-    the forward (the last layer's down: the LM head's), capped at its bytes (the prefetch
-    itself is a GPU instruction: here it is handed over, not run)."""
+    before gate_up is not deferred, since gate_up does not take it (the plan asks the table)."""
     import minisgl.layers.triton_ops as triton_ops
     from minisgl.kernels.gemv import gemv
     from minisgl.layers import kernel_plan
@@ -54,18 +51,14 @@ def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.Monk
     want = llm.generate(prompts, params, use_tqdm=False)[0]["token_ids"]  # the library alone
 
     calls: list[tuple[int, bool, bool]] = []  # (out rows, gated, normed) of each GEMV call
-    handed: list[tuple[torch.Tensor, object]] = []  # (weight, prefetch) of each GEMV call
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, prefetch=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
         calls.append((weight.size(0), gated, norm is not None))
-        handed.append((weight, prefetch))
         return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
 
     monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: counted)  # on the CPU too
     monkeypatch.setattr(ENV.GEMV, "value", "auto")
     monkeypatch.setattr(ENV.GEMV_MAX_ROWS, "value", 1)
-    monkeypatch.setattr(ENV.GEMV_PREFETCH, "value", 1)  # MB
-    monkeypatch.setattr(triton_ops, "prefetch_of", lambda w, cap: (w, min(w.nbytes, cap)))
     engine = llm.engine
     apart = []  # norms deferred and then computed apart: a norm deferred to a library matmul
     compute = triton_ops.NormedInput.compute
@@ -89,15 +82,9 @@ def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.Monk
         table = choose_gemv(engine, kernels, timer_where(wins))  # and installed
         assert table is not None
         calls.clear()
-        handed.clear()
         apart.clear()  # the measurement's own forward computed norms apart
         got = llm.generate(prompts, params, use_tqdm=False)[0]["token_ids"]
         assert got == want, name
-        if name == "all but the LM head":  # one decode step: qkv, o, gate_up, down a layer
-            head = engine.model.get_parameter(_lm_head(engine.model))
-            step = handed[-len(engine.model.model.layers) * 4 :]
-            after = [w for w, _ in step[1:]] + [head]
-            assert all(p[0] is w and p[1] == min(w.nbytes, 1 << 20) for (_, p), w in zip(step, after))
         assert all(expected(c) for c in calls) and not apart, (name, calls)
         if name == "library":
             assert not calls
@@ -108,13 +95,6 @@ def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.Monk
     gated = {c for c in calls if c[1]}
     assert not gated  # "qkv only": gate_up stayed with the library, so its norm was not deferred
     llm.shutdown()
-
-
-def _lm_head(model: torch.nn.Module) -> str:
-    """The name of the LM head's weight (tied or not)."""
-    head = getattr(model, "lm_head", None)
-    weight = head.weight if head is not None else model.model.embed_tokens.weight
-    return next(n for n, p in model.named_parameters(remove_duplicate=False) if p is weight)
 
 
 def test_blocks_keep_partial_sums_in_registers() -> None:

@@ -4,7 +4,6 @@
     python tools/bench_gemv.py --models qwen3-0.6b,qwen3-8b,qwen3-14b,qwen3-30b-a3b --rows 1,2,4,8
     python tools/bench_gemv.py --models qwen3-8b --sweep   # every block shape, best per layer
     python tools/bench_gemv.py --device cpu --models tiny --rows 1 --reps 1  # smoke test
-    python tools/bench_gemv.py --models qwen3-0.6b,llama-3.2-1b --rows 1,8 --chain 0,8,32
 
 Each projection of a model (qkv, o, gate_up with SiLU-and-mul after it, down, the MoE
 router, the LM head) is timed exactly as the engine's start-up measurement times it
@@ -14,11 +13,6 @@ L2 cache many times, as a model's layers do. "chosen" is what the engine would r
 GEMV where it takes at most 95% of the library's time); "step" adds a shape up over a model's
 layers: the projections of one decode step, by the library alone and by the choice. GB/s is
 the weight bytes over the time; the H200 reads about 4.8 TB/s.
-
-`--chain MB,...` then runs one decode step's projections as the engine does, one after
-another in one CUDA graph (every layer's own weights; each shape in its fastest GEMV launch
-above), with each GEMV sending that many MB of the next projection's weights into L2
-(kernels/prefetch.py; 0: none), the settings alternated over `--chain-rounds`.
 """
 
 from __future__ import annotations
@@ -36,7 +30,7 @@ from make_random_model import SHAPES as MODELS
 
 from minisgl.engine.kernel_choice import build_first, candidates, gemv_label, pick, time_in_graph
 from minisgl.layers.kernel_plan import KernelPlan
-from minisgl.layers.triton_ops import GemvKey, ProjectionCall, prefetch_of
+from minisgl.layers.triton_ops import GemvKey, ProjectionCall
 
 MODELS = {**MODELS, "tiny": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
           num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512)}  # fmt: skip
@@ -123,57 +117,6 @@ def sweep(key: GemvKey, weights: list[torch.Tensor], m: int, time_it) -> dict[tu
     return {b: time_it(str(b), lambda b=b: run(b)) / len(weights) * 1e6 for b in blocks_tried}
 
 
-def chain(model: str, best: dict, m: int, caps: list[int], rounds: int, reps: int, dtype, device):
-    """ms of one decode step's projections of `model` at `m` rows in their `best` GEMV launches
-    (layer -> blocks), by each prefetch cap in MB, the caps alternated `rounds` times."""
-    from minisgl.kernels.gemv import gemv
-
-    spec, order = MODELS[model], []
-    shapes = projections(spec, normed=True)
-    for layer in range(spec["num_hidden_layers"]):
-        order += [(name, layer) for name in shapes if name != "lm_head"]
-    order.append(("lm_head", 0))
-    weights, inputs = [], {}
-    for name, _ in order:
-        key = shapes[name][0]
-        weights.append(torch.randn(key.n * (1 + key.gated), key.k, device=device, dtype=dtype))
-        if name not in inputs:
-            x = torch.randn(m, key.k, device=device, dtype=dtype)
-            norm = (torch.randn_like(x), torch.empty_like(x), torch.ones_like(x[0]), 1e-6)
-            inputs[name] = (x, norm if key.normed else None)
-    nbytes = sum(w.nbytes for w in weights)
-
-    def run_with(cap: int):
-        ahead = [prefetch_of(w, cap << 20) for w in weights[1:] + weights[:1]]
-
-        def run() -> None:
-            for (name, _), w, after in zip(order, weights, ahead):
-                x, norm = inputs[name]
-                key = shapes[name][0]
-                gemv(x, w, blocks=best[name], gated=key.gated, norm=norm, prefetch=after)
-
-        return run
-
-    runs = {cap: run_with(cap) for cap in caps}
-    build_first(list(runs.values()), device)
-    times: dict[int, list[float]] = {cap: [] for cap in caps}
-    for _ in range(rounds):
-        for cap, run in runs.items():
-            if device.type == "cuda":
-                times[cap].append(time_in_graph(f"chain {cap}", run, reps) * 1e3)
-            else:
-                start = time.perf_counter()
-                run()
-                times[cap].append((time.perf_counter() - start) * 1e3)
-    base = min(times[caps[0]])
-    for cap in caps:
-        ms = min(times[cap])
-        rounds_ms = " / ".join(f"{t:.3f}" for t in times[cap])
-        print(f"| {model} | {m} | {cap} | {rounds_ms} | {nbytes / ms / 1e6:.0f} | "
-              f"{base / ms:.3f}x |", flush=True)  # fmt: skip
-    return {str(cap): times[cap] for cap in caps}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_device_args(p)
@@ -184,8 +127,6 @@ def main() -> None:
     p.add_argument("--min-bytes", type=float, default=512e6, help="weights per shape at least")
     p.add_argument("--normed", action="store_true", help="qkv and gate_up with their norm folded")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--chain", default="", help="MB of prefetch to try in a step's chain, e.g. 0,8")
-    p.add_argument("--chain-rounds", type=int, default=3)
     p.add_argument("--output-json")
     args = parse(p)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -200,7 +141,6 @@ def main() -> None:
     print("| model | layer | out x in | rows | library | GEMV candidates | chosen | vs library |")
     print("|---|---|---|---|---|---|---|---|")
     results: dict = {}
-    best: dict[tuple[str, str, int], tuple] = {}  # (model, layer, rows) -> its fastest GEMV
     for model in args.models.split(","):
         step: dict[int, list[float]] = {m: [0.0, 0.0] for m in rows_list}  # library, chosen
         nbytes = 0
@@ -214,8 +154,6 @@ def main() -> None:
                 runs = candidates(call, weights, m, kernels)
                 us = {c: time_it(c, run) / len(weights) * 1e6 for c, (_, run) in runs.items()}
                 chosen = pick(us)
-                fastest = min((c for c in us if c != "library"), key=us.__getitem__)
-                best[model, layer, m] = runs[fastest][0]
                 step[m][0] += us["library"] * count
                 step[m][1] += us[chosen] * count
                 gemvs = ", ".join(f"{c[5:]} {t:.1f}" for c, t in us.items() if c != "library")
@@ -250,20 +188,6 @@ def main() -> None:
             results[f"{model} step m={m}"] = {"library_ms": lib / 1e3, "chosen_ms": ours / 1e3}
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if args.chain:
-        caps = [int(c) for c in args.chain.split(",")]
-        print("\nOne step's projections in a chain, each GEMV sending the next weights into L2\n")
-        print("| model | rows | prefetch MB | ms, each round | GB/s (best) | vs the first |")
-        print("|---|---|---|---|---|---|")
-        for model in args.models.split(","):
-            layers = projections(MODELS[model], args.normed)
-            for m in rows_list:
-                launches = {layer: best[model, layer, m] for layer in layers}
-                results[f"{model} chain m={m}"] = chain(
-                    model, launches, m, caps, args.chain_rounds, args.reps, dtype, device
-                )
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=1)

@@ -156,8 +156,6 @@ def choose_gemv(
                 table.blocks[km] = job.runs[label][0]
         lines.append(f"  {job.what}: {_show(times)} -> {label}")
     gemv.feeds = {id(c.norm_weight): c.key for c in calls if c.norm_weight is not None}
-    # each projection's next in the forward (the last's: the first, the next step's)
-    gemv.ahead = {id(c.weight): calls[(i + 1) % len(calls)].weight for i, c in enumerate(calls)}
     table.report = "\n".join(lines)
     gemv.table = table
     kernels.install(engine.model)

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates, mma_gemv  # [ch26]
-from minisgl.kernels.prefetch import Prefetch, prefetch_l2
 
 MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
 # >>> ch26 the CUDA cores take up to FMA_ROWS rows; the tensor cores up to MMA_ROWS
@@ -38,17 +37,13 @@ ACC_PER_THREAD = 64  # fp32 partial sums a thread keeps: more spill out of its r
 @triton.jit
 def _gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
-    NEXT, next_bytes,  # PREFETCH: the next projection's weights, into L2
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
-    PREFETCH: tl.constexpr = False, LANES: tl.constexpr = 32,
 ):  # fmt: skip
     # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N].
     # NORM: the input is RMSNorm(x + r) with weight NW; program 0 also writes x + r to R_OUT.
     # The norm's scale is one number per row of x, so it is taken out of the sum: one pass
     # adds up (x + r) * NW * W and the squares of x + r, and the scale multiplies at the end.
-    if PREFETCH:
-        prefetch_l2(NEXT, next_bytes, LANES)
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -159,7 +154,6 @@ def gemv(
     blocks: Blocks | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
 
@@ -167,15 +161,13 @@ def gemv(
     (a merged gate_up projection and the SiLU-and-mul after it, in one kernel).
     norm = (residual, residual_out, norm_weight, eps): the input is RMSNorm(x + residual)
     instead of x (the residual add and the norm before a projection, in the same kernel),
-    and x + residual is written to residual_out, a tensor of x's shape apart from both.
-    prefetch = (next weights, bytes): their first bytes sent into L2 (`prefetch_l2`, CUDA
-    on sm_90 and later only)."""
+    and x + residual is written to residual_out, a tensor of x's shape apart from both."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
     # >>> ch26 the tensor cores' launches (MmaBlocks) go to their own kernel
     blocks = blocks or gemv_blocks(m, n, k, gated)
     if isinstance(blocks, MmaBlocks):
-        return mma_gemv(x, weight, blocks, bias, gated, norm, prefetch)
+        return mma_gemv(x, weight, blocks, bias, gated, norm)
     # <<< ch26
     assert m <= MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert not (gated and bias is not None)
@@ -187,12 +179,10 @@ def gemv(
         )
     block_m, block_n, block_k, warps = blocks or gemv_blocks(m, n, k, gated)
     assert block_m >= m
-    ahead, ahead_bytes = prefetch or (weight, 0)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
-        eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0), ahead, ahead_bytes,
+        eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-        GATED=gated, NORM=norm is not None, PREFETCH=ahead_bytes > 0, LANES=32 * warps,
-        num_warps=warps,
+        GATED=gated, NORM=norm is not None, num_warps=warps,
     )  # fmt: skip
     return y

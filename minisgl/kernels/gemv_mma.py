@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.prefetch import Prefetch, prefetch_l2
-
 MMA_ROWS = 16  # rows of x this kernel takes: the narrow side of the tensor cores' product
 
 
@@ -43,15 +41,11 @@ class MmaBlocks(NamedTuple):
 @triton.jit(do_not_specialize=["M"])  # one build serves every row count
 def _mma_gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
-    NEXT, next_bytes,  # PREFETCH: the next projection's weights, into L2 (as chapter 20's)
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr = False, LANES: tl.constexpr = 32,
 ):  # fmt: skip
     # y^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T [K, 16]. Rows of W past N are read as row 0
     # (never stored), so only K's tail, where K % BLOCK_K != 0, masks the loads of W.
-    if PREFETCH:
-        prefetch_l2(NEXT, next_bytes, LANES)
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
@@ -128,10 +122,9 @@ def mma_gemv(
     bias: torch.Tensor | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     """x [m, k] (m <= MMA_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n] on the tensor
-    cores; gated, norm and prefetch as kernels.gemv.gemv, whose arguments these are."""
+    cores; gated and norm as kernels.gemv.gemv, whose arguments these are."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
     assert m <= MMA_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
@@ -142,14 +135,12 @@ def mma_gemv(
         assert (
             residual.shape == x.shape and residual.stride() == residual_out.stride() == x.stride()
         )
-    ahead, ahead_bytes = prefetch or (weight, 0)
     _mma_gemv_kernel[(triton.cdiv(n, blocks.block_n),)](
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
-        eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0), ahead, ahead_bytes,
+        eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
         BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm is not None, EVEN_K=k % blocks.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        PREFETCH=ahead_bytes > 0, LANES=32 * blocks.warps,
         num_warps=blocks.warps, num_stages=blocks.stages,
     )  # fmt: skip
     return y

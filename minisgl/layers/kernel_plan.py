@@ -62,7 +62,6 @@ class KernelPlan:
         gemv = None
         if (kernel := gemv_kernel(fused)) and ENV.GEMV.value != "off":
             gemv = GemvPlan(kernel, ENV.GEMV.value, ENV.GEMV_MAX_ROWS.value)
-            gemv.prefetch_bytes = ENV.GEMV_PREFETCH.value << 20
         decode = getattr(backend, "decode_from_qkv", None) if ENV.FUSED_DECODE.value else None
         # <<< ch20
         return cls(

@@ -182,8 +182,6 @@ class GemvPlan:
     table: GemvTable | None = None  # measured at start-up; None: not yet, the library
     feeds: dict[int, GemvKey] = field(default_factory=dict)  # id(norm weight) -> its projection
     recording: list[ProjectionCall] | None = None  # the start-up forward: record, run the library
-    prefetch_bytes: int = 0  # MINISGL_GEMV_PREFETCH: of the next projection's weights, into L2
-    ahead: dict[int, torch.Tensor] = field(default_factory=dict)  # id(weight) -> the next one's
 
     def blocks(self, key: GemvKey) -> tuple[Blocks | None, ...]:
         """The blocks to run a projection of `key` in at 0, 1, ... max_rows rows (None: the
@@ -220,21 +218,7 @@ class GemvPlan:
             return
         layer.gemv_blocks = self.blocks(GemvKey.of(layer, gated))
         layer.gemv_blocks_normed = self.blocks(GemvKey.of(layer, gated, normed=True))
-        after = self.ahead.get(id(layer.weight))
-        layer.gemv_prefetch = prefetch_of(after, self.prefetch_bytes) if after is not None else None
         layer.matmul = MethodType(gemv_matmul(self, gated, library), layer)
-
-
-def prefetch_of(weight: torch.Tensor, cap_bytes: int) -> tuple[torch.Tensor, int] | None:
-    """What a GEMV before `weight`'s projection sends ahead: its first `cap_bytes` at most,
-    rounded down to whole 16-byte units; None where the prefetch cannot run (off, not on a
-    CUDA device of sm_90 or later, or not 16-byte aligned)."""
-    size = min(weight.numel() * weight.element_size(), cap_bytes) // 16 * 16
-    if size <= 0 or weight.device.type != "cuda" or weight.data_ptr() % 16:
-        return None
-    if torch.cuda.get_device_capability(weight.device)[0] < 9:
-        return None
-    return weight, size
 
 
 def gemv_takes(plan: GemvPlan) -> Callable[[Linear, torch.Tensor], bool]:
@@ -293,13 +277,11 @@ def gemv_matmul(plan: GemvPlan, gated: bool, library: Callable) -> Callable:
             if blocks is None:
                 return library(self, x.compute())
             norm = (x.residual, x.residual_out, x.weight, x.eps)
-            return kernel(
-                x.x, self.weight, self.bias, blocks, gated, norm, prefetch=self.gemv_prefetch
-            )
+            return kernel(x.x, self.weight, self.bias, blocks=blocks, gated=gated, norm=norm)
         rows = x.size(0)
         if x.dim() == 2 and rows <= max_rows and x.stride(1) == 1 and self.gemv_blocks[rows]:
             blocks = self.gemv_blocks[rows]
-            return kernel(x, self.weight, self.bias, blocks, gated, prefetch=self.gemv_prefetch)
+            return kernel(x, self.weight, self.bias, blocks=blocks, gated=gated)
         return library(self, x)
 
     return matmul
