@@ -156,6 +156,9 @@ def test_verify_kernel_with_a_window_matches_extend_kernel(window) -> None:
 
 # <<< ch29
 def test_blocks_take_the_longest_run_in_powers_of_two_and_rows_that_fit_the_accumulator() -> None:
+    from minisgl.kernels.verify_attention import BLOCK_TOKENS
+
+    most = BLOCK_TOKENS or 16  # new tokens a program takes at most
     for group in (1, 2, 3, 4, 8, 16):
         for n in (1, 2, 5, 9, 16, 24, 72):
             for head_dim in (64, 128, 256, 512):
@@ -163,7 +166,8 @@ def test_blocks_take_the_longest_run_in_powers_of_two_and_rows_that_fit_the_accu
                 assert rows >= max(16, block_q * group) and rows & (rows - 1) == 0
                 assert block_q & (block_q - 1) == 0 and block_q <= 16  # few variants to build
                 fits = max(1, 64 * 128 // head_dim // group)  # the rows the accumulator holds
-                assert block_q >= min(n, 16, fits) / 2 and block_q * group <= max(fits * group, 1)
+                assert block_q >= min(n, most, fits) / 2 and block_q <= most
+                assert block_q * group <= max(fits * group, 1)
                 assert rows * head_dim <= max(64 * 128, 16 * head_dim), (group, n, head_dim)
 
 
@@ -171,13 +175,14 @@ _PLAIN: dict[str, list] = {}  # the plain run's tokens, made once for both paths
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's interpreter")
-@pytest.mark.parametrize("path", ["attend", "qkv"])
+@pytest.mark.parametrize("path", ["attend", "apart", "qkv"])
 def test_speculating_engine_through_the_split_kernel_gives_plain_tokens(monkeypatch, path) -> None:
     """Greedy n-gram speculation on a tiny model with our kernels: verifies through the
     split kernel (in emulated verify graphs with their padding, and eagerly in the graphs'
-    warm-ups) give the tokens of plain decoding; `qkv`: the layers' fused path (rotary and
-    store forced on for CPU tensors), where a verify's attention starts from qkv as a decode
-    step's does."""
+    warm-ups) give the tokens of plain decoding. `apart` and `qkv`: the layers' fused path
+    (rotary and store forced on for CPU tensors); `apart` (MINISGL_VERIFY_ATTN=split) runs
+    that kernel and then the split kernel, `qkv` (split-qkv) starts a verify's attention from
+    qkv in one kernel, as a decode step's does."""
     from minisgl.core import SamplingParams
     from minisgl.env import ENV
     from minisgl.kernels import verify_attention as module
@@ -188,8 +193,8 @@ def test_speculating_engine_through_the_split_kernel_gives_plain_tokens(monkeypa
     name = "verify_attention_qkv" if path == "qkv" else "verify_attention"
     real = getattr(module, name)
     monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(ENV.VERIFY_ATTN, "value", "split")
-    if path == "qkv":
+    monkeypatch.setattr(ENV.VERIFY_ATTN, "value", "split-qkv" if path == "qkv" else "split")
+    if path != "attend":
         monkeypatch.setattr(kernel_plan, "rope_store_kernel", lambda fused: qk_rope_store)
     gen = torch.Generator().manual_seed(3)
     stem = torch.randint(0, 1000, (12,), generator=gen).tolist()

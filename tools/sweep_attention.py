@@ -130,10 +130,11 @@ class Shape:
         return run
 
     def verify(self, bs: int, ctx: int, tokens: int):
-        """(extend, split, the layer's two launches, its one from qkv): `bs` requests of
-        `tokens` new tokens each, the last of `ctx`; the last two start from qkv (Qwen3's
-        head norms, rotary, the new keys stored), extend after qk_rope_store as the engine's
-        default, and the split kernel's qkv variant."""
+        """(extend, split, the layer's two launches, its one from qkv, split's two launches):
+        `bs` requests of `tokens` new tokens each, the last of `ctx`; the last three start
+        from qkv (Qwen3's head norms, rotary, the new keys stored): extend after
+        qk_rope_store as the engine's default, the split kernel's qkv variant, and the split
+        kernel after qk_rope_store."""
         a, dev = self.args, self.args.device
         qkv = torch.randn(bs * tokens, self.width, device=dev, dtype=a.dtype)
         q = qkv[:, : a.q_heads * a.head_dim].view(bs * tokens, a.q_heads, a.head_dim)
@@ -150,11 +151,15 @@ class Shape:
         def two() -> torch.Tensor:
             return extend_attention(qk_rope_store(*rope, *heads), self.k, self.v, *meta)
 
+        def apart() -> torch.Tensor:
+            return verify_attention(qk_rope_store(*rope, *heads), self.k, self.v, *meta)
+
         return (
             lambda: extend_attention(q, self.k, self.v, *meta),
             lambda: verify_attention(q, self.k, self.v, *meta),
             two,
             lambda: verify_attention_qkv(*rope, *meta, *heads),
+            apart,
         )
 
 
@@ -162,7 +167,7 @@ def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: b
     """The extend kernel's time, then the split kernel's under every setting and launch."""
     from minisgl.kernels import verify_attention as va
 
-    extend, split, two, one = shape.verify(bs, ctx, tokens)
+    extend, split, two, one, apart = shape.verify(bs, ctx, tokens)
     base = timed(extend, args.iters, graph)
     found = [{"kernel": "extend", "ms": base}]
     print(f"extend (the default): {base * 1e3:.1f} us")
@@ -170,8 +175,9 @@ def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: b
     found[0].update(rope_store_then_extend_ms=two_ms, from_qkv_ms=one_ms)
     print(f"from qkv: rotary and store then extend {two_ms * 1e3:.1f} us, the split kernel's"
           f" one launch {one_ms * 1e3:.1f} us ({two_ms / one_ms:.2f}x)")  # fmt: skip
-    print("| tokens a program | min keys a range | block_n | warps | stages | us | vs extend |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tokens a program | min keys a range | block_n | warps | stages | us | vs extend |"
+          " from qkv: one launch, us | rotary and store then split, us |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     launches = [None] + [
         attn.Launch(n, w, s or None)
         for n, w, s in itertools.product(args.block_n, args.warps, args.stages)
@@ -184,8 +190,12 @@ def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: b
             va.BLOCK_TOKENS, va.MIN_SPLIT = block_tokens or None, min_split
             for launch in launches:
                 try:
-                    if launch is None:  # as the engine launches it
+                    layer = ("", "")
+                    if launch is None:  # as the engine launches it; and the layer from qkv
                         ms = timed(split, args.iters, graph)
+                        one_ms = timed(one, args.iters, graph)
+                        apart_ms = timed(apart, args.iters, graph)
+                        layer = (f"{one_ms * 1e3:.1f}", f"{apart_ms * 1e3:.1f}")
                     else:
                         with attn.launch_override("decode", launch):
                             ms = timed(split, args.iters, graph)
@@ -195,9 +205,11 @@ def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: b
                 n, w, st = (launch.block_n, launch.warps, launch.stages) if launch else ("-",) * 3
                 took = va.verify_blocks(args.q_heads // args.kv_heads, tokens, args.head_dim)[0]
                 print(f"| {took} | {min_split} | {n} | {w} | {st} | "
-                      f"{ms * 1e3:.1f} | {base / ms:.2f}x |")  # fmt: skip
+                      f"{ms * 1e3:.1f} | {base / ms:.2f}x | {layer[0]} | {layer[1]} |")  # fmt: skip
                 found.append({"block_tokens": block_tokens, "min_split": min_split,
                               "launch": vars(launch) if launch else None, "ms": ms})  # fmt: skip
+                if launch is None:
+                    found[-1].update(from_qkv_ms=one_ms, rope_store_then_split_ms=apart_ms)
     finally:
         va.BLOCK_TOKENS, va.MIN_SPLIT = saved
     best = min(found[1:], key=lambda r: r["ms"], default=None)

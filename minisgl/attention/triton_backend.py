@@ -126,7 +126,7 @@ class TritonAttnBackend(BaseAttnBackend):
                 *self.kv_cache.scales(layer_id),  # [ch28]
             )
         extend = self.extend_attention
-        if batch.phase == "verify" and ENV.VERIFY_ATTN.value == "split":  # [ch26]
+        if batch.phase == "verify" and ENV.VERIFY_ATTN.value != "extend":  # [ch26]
             extend = self.verify_attention  # a few tokens a request, split over the keys  # [ch26]
         return extend(
             q,

@@ -61,10 +61,14 @@ if TYPE_CHECKING:
 # 64 rows of 128, whose fp32 accumulator four warps hold in registers (64 numbers a thread).
 MAX_ROW_DIMS = 64 * 128
 MAX_TOKENS = 16  # new tokens a program takes at most
-# Keys a range holds at least (as in decode), and new tokens a program takes (None: as many
-# as the longest run, up to MAX_TOKENS): tools/sweep_attention.py --verify sets them.
-MIN_SPLIT = MIN_SPLIT_KEYS
-BLOCK_TOKENS: int | None = None
+# Keys a range holds at least, and new tokens a program takes at most (None: as many as the
+# longest run, up to MAX_TOKENS). An H100 sweep of SmolLM2's, Qwen3-0.6B's and 8B's heads at
+# contexts of 137 to 8,201 keys and batch 1 to 8 (tools/sweep_attention.py --verify sets
+# them; docs/benchmarks.md) found 4 tokens and 256 keys the best setting overall: one range
+# and more programs where the context is short, where 16 tokens in two ranges of 128 lost
+# to the extend kernel by a quarter.
+MIN_SPLIT = 2 * MIN_SPLIT_KEYS
+BLOCK_TOKENS: int | None = 4
 ACC_PER_WARP = 64 * 32  # accumulator numbers a warp holds: 64 a thread, as in decode
 
 
@@ -190,7 +194,7 @@ def verify_blocks(group: int, max_extend_len: int, head_dim: int) -> tuple[int, 
     (a dot's least). Powers of two: a verify graph's tiers (2, 4, 8, 16, ...) build every
     BLOCK_Q a verify meets at start-up, and none is built mid-run."""
     most = MAX_ROW_DIMS // triton.next_power_of_2(head_dim)
-    run = BLOCK_TOKENS or triton.next_power_of_2(max(max_extend_len, 1))
+    run = min(BLOCK_TOKENS or MAX_TOKENS, triton.next_power_of_2(max(max_extend_len, 1)))
     fits = max(1, triton.next_power_of_2(most // group + 1) // 2)  # a power of two
     block_q = min(run, MAX_TOKENS, fits)
     return block_q, max(16, triton.next_power_of_2(block_q * group))
@@ -268,8 +272,8 @@ def from_qkv(
     backend: TritonAttnBackend, layer: AttentionLayer, batch: Batch, inputs: tuple, heads: tuple
 ) -> torch.Tensor | None:
     """The Triton backend's verify from qkv (`decode_from_qkv`'s `inputs` and `heads`); None
-    (rotary and store, then `attend`) unless MINISGL_VERIFY_ATTN is split."""
-    if ENV.VERIFY_ATTN.value != "split":
+    (rotary and store, then `attend`) unless MINISGL_VERIFY_ATTN is split-qkv."""
+    if ENV.VERIFY_ATTN.value != "split-qkv":
         return None
     md = batch.attn_metadata
     return verify_attention_qkv(
