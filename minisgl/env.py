@@ -83,7 +83,7 @@ class _Env:
         # qkv in one launch) or extend (a program per query head walks every key, as a
         # prompt's chunk does)
         self.VERIFY_ATTN = EnvVar.read(
-            "VERIFY_ATTN", "extend", choices=("extend", "split", "split-qkv")
+            "VERIFY_ATTN", "split", choices=("extend", "split", "split-qkv")
         )
         # <<< ch26
         # >>> ch29 Gemma 4's head norms and rotary: one Triton kernel a tensor where fused

@@ -39,7 +39,9 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 # (rows of x, out features, in features): blocks that divide and blocks that do not
 SHAPES = [(2, 64, 64), (3, 37, 70), (9, 96, 1030), (MMA_ROWS, 130, 200)]
-BLOCKS = [MmaBlocks(16, 16, 1, 1), MmaBlocks(32, 64, 2, 2)]
+# the last two split K into 4 and 3 ranges (fewer where K is short), summed by the last one
+BLOCKS = [MmaBlocks(16, 16, 1, 1), MmaBlocks(32, 64, 2, 2), MmaBlocks(16, 16, 1, 1, 4),
+          MmaBlocks(32, 64, 2, 2, 3)]  # fmt: skip
 
 
 def _tol(dtype: torch.dtype) -> dict:
@@ -74,7 +76,7 @@ def test_mma_gemv_with_the_norm_equals_add_norm_then_the_projection(
         norm.weight.copy_(torch.rand(k, generator=gen) + 0.5)
     want = F.linear(norm.reference(x + residual), w)
     want = silu_and_mul_reference(want) if gated else want
-    for blocks in [BLOCKS[1], *mma_candidates(n, k, gated)]:
+    for blocks in [BLOCKS[1], BLOCKS[3], *mma_candidates(n, k, gated)]:
         out = torch.full_like(residual, float("nan"))
         got = gemv(x, w, blocks=blocks, gated=gated, norm=(residual, out, norm.weight, norm.eps))
         torch.testing.assert_close(got, want, **_tol(dtype))
@@ -104,12 +106,14 @@ def test_the_tensor_cores_take_the_rows_the_cuda_cores_cannot() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")
+@pytest.mark.parametrize("split", [1, 4])
 def test_a_verify_of_eight_drafts_in_the_tensor_cores_keeps_the_tokens(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, split: int
 ) -> None:
     """A verify step of one request and its eight drafts is nine rows: with the GEMV forced
     on up to 16 rows, its projections (the norms folded in, gate_up with SiLU-and-mul) run on
-    the tensor cores, and the tokens equal plain decoding's."""
+    the tensor cores, and the tokens equal plain decoding's; split 4: each projection's K in
+    four ranges (or as many steps as it has), summed by the last, in the verify graphs too."""
     from minisgl.layers import kernel_plan
 
     vocab = ModelConfig.from_path(need(TINY["llama"])).vocab_size
@@ -120,6 +124,8 @@ def test_a_verify_of_eight_drafts_in_the_tensor_cores_keeps_the_tokens(
             return F.linear(x, weight, bias)
         if isinstance(blocks, MmaBlocks):
             rows.append((x.size(0), gated, norm is not None))
+            if split > 1:  # steps of 16: a tiny model's K of 64 or more is 4 ranges or more
+                blocks = blocks._replace(block_k=16, split=split)
         return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
 
     def eight_drafts(self, reqs, ks, pending=None):  # right or wrong, always eight
