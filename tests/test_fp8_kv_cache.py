@@ -201,8 +201,9 @@ def loaded(path: Path) -> torch.nn.Module:
 
 def teacher_forced(path: Path, **kw) -> tuple[torch.Tensor, list[float], list[float]]:
     """Logits of a prefill and two decode steps, every position, with engine settings `kw`;
-    and the (k, v) scales the engine's KV cache took."""
-    engine = make_engine(path, **kw)
+    and the (k, v) scales the engine's KV cache took. On the GPU where there is one (the
+    CPU's Triton backend needs the interpreter, which a GPU host does not turn on)."""
+    engine = make_engine(path, device=DEV.type, **kw)
     try:
         n = len(PROMPT) + len(DECODED)
         req = Req(torch.tensor(PROMPT, dtype=torch.int32), 0, 0, n, 0, SamplingParams())
