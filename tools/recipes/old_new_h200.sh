@@ -7,8 +7,9 @@
 #   OUT=/tmp/out OLD=.ab/old STAGES=tests,latency bash tools/recipes/old_new_h200.sh
 #   OUT=/tmp/out OLD=.ab/old STAGES=offline bash tools/recipes/old_new_h200.sh
 #
-# tests: the GPU tests of the new package. latency: batch-1 ms/token (32 in, 128 out) on the
-# Qwen3-0.6B and Llama-3.2-1B shapes. offline: nano-vllm's workload on the Qwen3-0.6B shape.
+# tests: the GPU tests of the new package. latency: ms/token (32 in, 128 out) at BATCHES
+# (1,8) on the SHAPES (Qwen3-0.6B and Llama-3.2-1B). offline: nano-vllm's workload on the
+# Qwen3-0.6B shape.
 # TOKENIZER_FROM: a folder with SmolLM2's tokenizer files (prompts are random ids anyway).
 set -u
 OUT=${OUT:?set OUT to a folder for the results}
@@ -18,6 +19,7 @@ TOK=${TOKENIZER_FROM:-.gpu_tok}
 ROUNDS=${ROUNDS:-2}
 STAGES=${STAGES:-tests,latency}
 SHAPES=${SHAPES:-qwen3-0.6b,llama-3.2-1b}
+BATCHES=${BATCHES:-1,8}
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 log() { tee -a "$OUT/run.log"; }
@@ -42,7 +44,7 @@ if [[ $STAGES == *latency* ]]; then
     for round in $(seq "$ROUNDS"); do
       for s in old new; do
         echo "== latency $shape round $round $s" | log
-        side $s bench_latency.py --model "/root/$shape" --skip-hf --skip-eager --batch-sizes 1,8 \
+        side $s bench_latency.py --model "/root/$shape" --skip-hf --skip-eager --batch-sizes "$BATCHES" \
             --input-len 32 --output-len 128 | grep -E "^\| |ms/token|batch 1" | log
       done
     done
