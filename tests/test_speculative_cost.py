@@ -310,6 +310,28 @@ def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch
     assert 1 <= len(asked) <= 6, asked
 
 
+def test_the_verify_cost_tool_compares_knobs_in_alternating_engines(tmp_path) -> None:
+    """--variants: every round a fresh engine per variant (the knob set while it is built),
+    one round of its curve each; the table has each variant's rounds side by side."""
+    out = tmp_path / "variants.json"
+    args = ["--model", str(need(TINY["llama"])), "--device", "cpu", "--ks", "2", "--batches"]
+    args += ["1", "--steps", "4", "--rounds", "2", "--timeline-k", "2", "--output-json", str(out)]
+    spec = "ahead:SPECULATIVE_AHEAD=on;waits:SPECULATIVE_AHEAD=off"
+    done = run_tool("bench_verify_cost.py", *args, "--variants", spec)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["variants"] == {"ahead": {"SPECULATIVE_AHEAD": "on"},
+                                  "waits": {"SPECULATIVE_AHEAD": "off"}}  # fmt: skip
+    for name in ("ahead", "waits"):
+        rounds = result["runs"][name]
+        assert len(rounds) == 2 and all(len(r) == 1 and r[0]["verify_ms"] > 0 for r in rounds)
+        ratios = " / ".join(f"{r[0]['ratio']:.2f}" for r in rounds)
+        assert f"| {name} | 1 | 2 |" in done.stdout and ratios in done.stdout
+    order = [line.split()[2].rstrip(":") for line in done.stdout.splitlines()
+             if line.startswith("round ")]  # fmt: skip
+    assert order == ["ahead", "waits", "ahead", "waits"]
+
+
 def test_the_verify_cost_tool_prints_the_curve_the_timeline_and_the_kernels(tmp_path) -> None:
     """tools/bench_verify_cost.py on the tiny model: every (batch, k) of the curve, a host
     timeline per batch, the profiler's table; the times are times (positive)."""

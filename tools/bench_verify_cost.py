@@ -4,6 +4,8 @@
     python tools/bench_verify_cost.py --model /root/qwen3-8b --batches 1,8 --ks 1,8,16
     python tools/bench_verify_cost.py --model models/tiny-llama --device cpu --ks 1,2 \\
         --batches 1,2 --steps 4 --rounds 1 --profile
+    python tools/bench_verify_cost.py --model /root/qwen3-0.6b --ks 8 --batches 1,4 \\
+        --variants "extend:VERIFY_ATTN=extend;split:VERIFY_ATTN=split" --rounds 3
 
 A verify step pays when the tokens it makes (each request's own, plus its drafts taken)
 outrun the plain decode steps it replaces. What it costs does not depend on which drafts
@@ -39,6 +41,12 @@ Printed:
 - with `--profile`, torch.profiler's table of the smallest batch at `--timeline-k`: the
   kernels of a verify step against a decode step, by device time per step (on a CPU the
   operators, by CPU time).
+
+`--variants NAME:KNOB=V,...;NAME:...` compares settings of MINISGL_* knobs in one process
+instead (tools/bench_latency.py's form): each round builds a fresh engine per variant in
+turn (ABAB...), warms it and times one round of its curve, so every side meets the same
+host, whose speed can differ between processes on one machine by 2x; printed per variant,
+batch and k: each round's verify / decode and their mean, against the first variant's.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_latency import parse_variants, set_knobs
 from common import add_engine_args, engine_kwargs, parse, sync
 from profile_step import Clock, patched
 from torch.profiler import ProfilerActivity, profile
@@ -365,6 +374,70 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
             )
 
 
+def engine(args: argparse.Namespace) -> Any:
+    """The engine every run drives: speculation always on, the drafter replaced by `Bench`."""
+    from minisgl.llm import LLM
+
+    bs = max(args.batches)
+    tokens = args.input_len + generated(args, max(args.ks)) + 2 * max(args.ks) + 8
+    return LLM(
+        **engine_kwargs(args),
+        speculative="ngram",
+        num_draft_tokens=max(args.ks),
+        speculative_always=True,
+        speculative_max_bs=bs,
+        max_running_req=bs,
+        num_page_override=bs * tokens + 64,
+        max_seq_len_override=tokens,
+        cuda_graph_max_bs=args.cuda_graph_max_bs,
+    )
+
+
+def compare_variants(args: argparse.Namespace, variants: dict[str, dict[str, str]]) -> None:
+    """Each round, a fresh engine per variant in turn, warmed, and one round of its curve."""
+    from minisgl.env import ENV
+
+    saved = {k: getattr(ENV, k).value for v in variants.values() for k in v}
+    one = argparse.Namespace(**{**vars(args), "rounds": 1})
+    runs: dict[str, list[list[dict]]] = {name: [] for name in variants}
+    try:
+        for r in range(args.rounds):
+            for name, settings in variants.items():
+                set_knobs(settings)
+                llm = engine(one)
+                try:
+                    runs[name].append(curve(Bench(llm, one), one))
+                finally:
+                    llm.shutdown()
+                row = runs[name][-1][-1]
+                print(f"round {r + 1} {name}: batch {row['batch']} k {row['k']} verify "
+                      f"{row['verify_ms']:.3f} ms, {row['ratio']:.2f} decode steps",
+                      flush=True)  # fmt: skip
+    finally:
+        for knob, value in saved.items():
+            getattr(ENV, knob).value = value
+    first = next(iter(variants))
+    print(f"\n{args.model}, {args.dtype} on {args.device}; {args.steps} steps a run, "
+          f"{args.rounds} alternating rounds, each variant a fresh engine a round")  # fmt: skip
+    print("| variant | batch | drafts k | decode ms, rounds | verify ms, rounds | "
+          f"verify / decode, rounds | mean | {first}'s mean / this |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    means: dict[str, list[float]] = {}
+    for name, rounds in runs.items():
+        means[name] = []
+        for i, row in enumerate(rounds[0]):
+            rows = [r[i] for r in rounds]
+            mean = statistics.mean(r["ratio"] for r in rows)
+            means[name].append(mean)
+            shown = (("decode_ms", ".3f"), ("verify_ms", ".3f"), ("ratio", ".2f"))
+            cells = [" / ".join(f"{r[key]:{fmt}}" for r in rows) for key, fmt in shown]
+            print(f"| {name} | {row['batch']} | {row['k']} | {' | '.join(cells)} | {mean:.2f} | "
+                  f"{means[first][i] / mean:.3f}x |")  # fmt: skip
+    if args.output_json:
+        found = {"variants": variants, "runs": runs}
+        Path(args.output_json).write_text(json.dumps(found, indent=1))
+
+
 def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
@@ -384,6 +457,7 @@ def main() -> None:
     p.add_argument("--overlap", choices=["on", "off"], help="default: the server's (on on a GPU)")
     p.add_argument("--cuda-graph-max-bs", type=int, help="default: the largest batch")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--variants", help="NAME:KNOB=V,KNOB=V;NAME:...: MINISGL_* settings, ABAB")
     p.add_argument("--output-json")
     args = parse(p)
     if args.every < 2 or args.steps < args.every:
@@ -395,24 +469,13 @@ def main() -> None:
     args.steps -= args.steps % args.every  # whole periods of the mixed run
 
     from minisgl.env import ENV
-    from minisgl.llm import LLM
 
     if args.overlap is not None:  # read when the scheduler is built
         ENV.DISABLE_OVERLAP_SCHEDULING.value = args.overlap == "off"
-    bs = max(args.batches)
-    tokens = args.input_len + generated(args, max(args.ks)) + 2 * max(args.ks) + 8
-    args.speculative = "off"  # the engine's drafter is replaced; its settings are these:
-    llm = LLM(
-        **engine_kwargs(args),
-        speculative="ngram",
-        num_draft_tokens=max(args.ks),
-        speculative_always=True,
-        speculative_max_bs=bs,
-        max_running_req=bs,
-        num_page_override=bs * tokens + 64,
-        max_seq_len_override=tokens,
-        cuda_graph_max_bs=args.cuda_graph_max_bs,
-    )
+    args.speculative = "off"  # the engine's drafter is replaced; its settings are in `engine`
+    if args.variants:
+        return compare_variants(args, parse_variants(args.variants))
+    llm = engine(args)
     try:
         bench = Bench(llm, args)
         out: dict[str, Any] = {"overlap": llm.scheduler.overlap, "curve": curve(bench, args)}

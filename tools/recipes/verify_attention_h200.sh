@@ -12,10 +12,10 @@
 #    engine takes them, or 8 or 4; keys a range at least) under a few launches, against the
 #    extend kernel as the engine launches it; and the layer from qkv both ways (qk_rope_store
 #    then the extend kernel, the engine's default, against verify_attention_qkv's one launch).
-# 2. The verify step (tools/bench_verify_cost.py through gemv_rows_h200.sh's verify stage):
-#    MINISGL_VERIFY_ATTN=extend against split, one process each, alternated twice, on the
-#    VERIFY_SHAPES (random weights, made on the GPU; SmolLM2-135M's and Qwen3-8B's) after
-#    prompts of VERIFY_LENS tokens (128 and 2,048).
+# 2. The verify step (tools/bench_verify_cost.py --variants): MINISGL_VERIFY_ATTN=extend
+#    against split (VARIANTS), a fresh engine each in turn in one process (so both meet the
+#    same host), ROUNDS (3) rounds, on the VERIFY_SHAPES (random weights, made on the GPU;
+#    SmolLM2-135M's and Qwen3-8B's) after prompts of VERIFY_LENS tokens (128 and 2,048).
 #
 # TOKENIZER_FROM: a folder with SmolLM2's tokenizer files (prompts are random ids anyway).
 set -u
@@ -23,6 +23,9 @@ OUT=${OUT:?set OUT to a folder for the results}
 VERIFY_LENS=${VERIFY_LENS:-128 2048}
 VERIFY_SHAPES=${VERIFY_SHAPES-smollm2-135m qwen3-8b}
 SWEEP=${SWEEP:-1}
+ROUNDS=${ROUNDS:-3}
+VARIANTS=${VARIANTS:-extend:VERIFY_ATTN=extend;split:VERIFY_ATTN=split}
+TOK=${TOKENIZER_FROM:-.gpu_tok}
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-.}
 mkdir -p "$OUT"
 log() { tee -a "$OUT/run.log"; }
@@ -40,8 +43,14 @@ if [ "$SWEEP" = 1 ]; then
       grep -E "^==|^extend|^from qkv|^best|failed" | log
   done
 fi
-[ -n "$VERIFY_SHAPES" ] && OUT=$OUT/steps SHAPES= VERIFY="$VERIFY_SHAPES" VERIFY_LENS="$VERIFY_LENS" VERIFY_KS=8 \
-  VERIFY_BATCHES=1,4 STARTS=0 BENCH_TIMEOUT=200 \
-  VARIANTS="extend:VERIFY_ATTN=extend;split:VERIFY_ATTN=split" \
-  bash tools/recipes/gemv_rows_h200.sh 2>&1 | grep -E "^==|^\| [0-9]+ \| [0-9]+ \||rror" | log
+for shape in $VERIFY_SHAPES; do
+  [ -d "/root/$shape" ] || python3 tools/make_random_model.py --shape "$shape" \
+      --out "/root/$shape" --tokenizer-from "$TOK" --device cuda 2>&1 | tail -1 | log
+  for len in $VERIFY_LENS; do
+    echo "== verify steps, $shape, $len prompt tokens, $VARIANTS ($SECONDS s)" | log
+    timeout 400 python3 tools/bench_verify_cost.py --model "/root/$shape" --ks 8 --batches 1,4 \
+        --input-len "$len" --rounds "$ROUNDS" --variants "$VARIANTS" \
+        --output-json "$OUT/verify_${shape}_$len.json" 2>&1 | grep -E "^\||^round|rror" | log
+  done
+done
 echo "done at $SECONDS s" | log
