@@ -34,7 +34,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from common import add_engine_args, engine_kwargs, parse, sync, weight_bytes
+from common import (
+    add_engine_args,
+    engine_kwargs,
+    parse,
+    parse_variants,
+    set_knobs,
+    sync,
+    weight_bytes,
+)
 
 
 def timed(fn: Callable[[], object], device: str) -> float:
@@ -254,33 +262,6 @@ def main() -> None:
             json.dump(results, f, indent=1, default=str)
     if args.plot:
         plot(args, results)
-
-
-def parse_variants(spec: str) -> dict[str, dict[str, str]]:
-    """ "a:X=1,Y=on;b:X=0" -> {"a": {"X": "1", "Y": "on"}, "b": {"X": "0"}}, knobs checked."""
-    from minisgl.env import ENV
-
-    variants = {}
-    for item in filter(None, (v.strip() for v in spec.split(";"))):
-        name, _, knobs = item.partition(":")
-        settings = dict(kv.split("=", 1) for kv in filter(None, knobs.split(",")))
-        for knob in settings:
-            if not hasattr(ENV, knob):
-                raise SystemExit(f"--variants: MINISGL_{knob} is not a knob of minisgl.env")
-        variants[name] = settings
-    return variants
-
-
-def set_knobs(settings: dict[str, str]) -> None:
-    from minisgl.env import ENV
-
-    for knob, raw in settings.items():
-        var = getattr(ENV, knob)
-        kind = type(var.default)
-        if kind is bool or var.default is None:
-            var.value = raw.lower() in ("1", "true", "yes", "on")
-        else:
-            var.value = kind(raw)
 
 
 def compare_variants(

@@ -59,8 +59,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_latency import parse_variants, set_knobs
-from common import add_engine_args, engine_kwargs, parse, sync
+from common import add_engine_args, engine_kwargs, parse, parse_variants, set_knobs, sync
 from profile_step import Clock, patched
 from torch.profiler import ProfilerActivity, profile
 

@@ -103,3 +103,30 @@ def weight_bytes(path: str, itemsize: int) -> int:
         with safe_open(str(file), "pt") as f:
             total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())  # noqa: SIM118
     return total * itemsize
+
+
+def parse_variants(spec: str) -> dict[str, dict[str, str]]:
+    """ "a:X=1,Y=on;b:X=0" -> {"a": {"X": "1", "Y": "on"}, "b": {"X": "0"}}, knobs checked."""
+    from minisgl.env import ENV
+
+    variants = {}
+    for item in filter(None, (v.strip() for v in spec.split(";"))):
+        name, _, knobs = item.partition(":")
+        settings = dict(kv.split("=", 1) for kv in filter(None, knobs.split(",")))
+        for knob in settings:
+            if not hasattr(ENV, knob):
+                raise SystemExit(f"--variants: MINISGL_{knob} is not a knob of minisgl.env")
+        variants[name] = settings
+    return variants
+
+
+def set_knobs(settings: dict[str, str]) -> None:
+    from minisgl.env import ENV
+
+    for knob, raw in settings.items():
+        var = getattr(ENV, knob)
+        kind = type(var.default)
+        if kind is bool or var.default is None:
+            var.value = raw.lower() in ("1", "true", "yes", "on")
+        else:
+            var.value = kind(raw)
