@@ -179,3 +179,30 @@ def test_the_sweep_tries_tiles_that_fit_and_the_tensor_cores_alone_past_the_cuda
         for b in alone:
             assert (b.block_n * (1 + gated) + 16) * b.block_k * 2 * b.stages <= 160 * 1024
         assert set(mma_candidates(3072, 1024, gated)) <= set(alone)  # the candidates came from it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tensor_core_gemv_split_over_k_in_a_graph_equals_unsplit() -> None:
+    """The tensor cores' GEMV with K split into ranges (kernels/gemv_mma.py), on the small
+    models' narrow shapes where the start-up measurement tries it, plain, gated and with the
+    norm folded in: within bf16's rounding of the unsplit launch, and the same again when a
+    CUDA graph replays it (its counters are back at zero after every call)."""
+    torch.manual_seed(0)
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    for n, k, gated in ((1024, 2048, False), (3072, 1024, True), (1024, 3072, False)):
+        w = torch.randn(n * (1 + gated), k, device=dev, dtype=bf) * 0.02
+        x = torch.randn(9, k, device=dev, dtype=bf)
+        norm = (torch.randn_like(x), torch.empty_like(x), torch.rand(k, device=dev, dtype=bf), 1e-6)
+        first, *_, split = mma_candidates(n, k, gated)
+        assert split.split > 1
+        for folded in (None, norm):
+            want = gemv(x, w, blocks=first, gated=gated, norm=folded).float()
+            got = gemv(x, w, blocks=split, gated=gated, norm=folded)
+            torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                replayed = gemv(x, w, blocks=split, gated=gated, norm=folded)
+            for _ in range(3):
+                replayed.zero_()
+                graph.replay()
+                torch.testing.assert_close(replayed, got, rtol=0, atol=0)
