@@ -24,7 +24,7 @@ from minisgl.kernels.gemv import (
     gemv_blocks,
     gemv_candidates,
 )
-from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates
+from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates, split_k
 from minisgl.layers.activation import silu_and_mul_reference
 from minisgl.layers.norm import RMSNorm
 from minisgl.llm import LLM
@@ -193,8 +193,9 @@ def test_tensor_core_gemv_split_over_k_in_a_graph_equals_unsplit() -> None:
         w = torch.randn(n * (1 + gated), k, device=dev, dtype=bf) * 0.02
         x = torch.randn(9, k, device=dev, dtype=bf)
         norm = (torch.randn_like(x), torch.empty_like(x), torch.rand(k, device=dev, dtype=bf), 1e-6)
-        first, *_, split = mma_candidates(n, k, gated)
-        assert split.split > 1
+        first = mma_candidates(n, k, gated)[0]
+        split = split_k(first, n, k)
+        assert split is not None and split.split > 1
         for folded in (None, norm):
             want = gemv(x, w, blocks=first, gated=gated, norm=folded).float()
             got = gemv(x, w, blocks=split, gated=gated, norm=folded)
@@ -206,3 +207,16 @@ def test_tensor_core_gemv_split_over_k_in_a_graph_equals_unsplit() -> None:
                 replayed.zero_()
                 graph.replay()
                 torch.testing.assert_close(replayed, got, rtol=0, atol=0)
+
+
+def test_split_k_makes_two_waves_of_a_narrow_tile_and_leaves_a_wide_one() -> None:
+    """`split_k`: Qwen3-0.6B's o (64 programs of 16 features) into 8 ranges of its 2,048 of
+    K, its gate_up (48 programs) into 8 of 1,024; a K of one step is not split, nor a tile
+    with two waves of programs already (the 8B's qkv)."""
+    o, gate_up = mma_candidates(1024, 2048)[0], mma_candidates(3072, 1024, gated=True)[0]
+    assert split_k(o, 1024, 2048) == o._replace(split=8)
+    assert split_k(gate_up, 3072, 1024) == gate_up._replace(split=8)
+    assert split_k(o, 1024, o.block_k) is None
+    assert split_k(MmaBlocks(16, 256, 2, 4), 6144, 4096) is None
+    short = split_k(o, 1024, 2 * o.block_k)  # as many ranges as K has steps
+    assert short is not None and short.split == 2

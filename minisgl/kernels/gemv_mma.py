@@ -149,22 +149,23 @@ def mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
     per-projection tables at 2-16 rows: 16 features by 256 of K for o, down and the LM head
     (16 by 512 was as fast on down); 64 by 256, three deep, for qkv; for gate_up (twice the
     weights a program) 64 by 64 four deep on the small models and 64 by 256 unpipelined on
-    the 8B. Taking all of a short K in one step was tried and lost, a gated one by 20x.
+    the 8B. Taking all of a short K in one step was tried and lost, a gated one by 20x."""
+    if gated:
+        return [MmaBlocks(64, 64, 4, 4), MmaBlocks(64, 256, 4, 1)]
+    return [MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 256, 4, 3)]
 
-    Where the first of them leaves fewer than two waves of programs (a small model's o,
-    down and gate_up: 48-64 programs for 132 SMs, so each SM waits out its few loads one
-    after another), the same launch split over K is tried too: enough ranges of K for two
-    waves, each at least one step."""
-    found = [MmaBlocks(64, 64, 4, 4), MmaBlocks(64, 256, 4, 1)] if gated else [
-        MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 256, 4, 3)]  # fmt: skip
-    first = found[0]
-    programs = triton.cdiv(n, first.block_n)
+
+def split_k(blocks: MmaBlocks, n: int, k: int) -> MmaBlocks | None:
+    """`blocks` split over K where its programs make fewer than two waves (a small model's
+    o, down and gate_up: 48-64 programs for 132 SMs, so each SM waits out its few loads one
+    after another): enough ranges of K for two waves, each at least one step; None where it
+    makes enough already. Not among the start-up's candidates until timed on a GPU
+    (docs/benchmarks.md, "Not measured"); tools/bench_gemv.py's sweep tries such splits."""
+    programs = triton.cdiv(n, blocks.block_n)
     split = min(8, triton.next_power_of_2(triton.cdiv(TWO_WAVES, programs)))
-    while split > 1 and k < split * first.block_k:  # a step of K a range at least
+    while split > 1 and k < split * blocks.block_k:  # a step of K a range at least
         split //= 2
-    if programs < TWO_WAVES and split > 1:
-        found.append(first._replace(split=split))
-    return found
+    return blocks._replace(split=split) if programs < TWO_WAVES and split > 1 else None
 
 
 def mma_gemv(
