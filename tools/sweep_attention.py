@@ -133,7 +133,7 @@ class Shape:
         """(extend, split, the layer's two launches, its one from qkv, split's two launches):
         `bs` requests of `tokens` new tokens each, the last of `ctx`; the last three start
         from qkv (Qwen3's head norms, rotary, the new keys stored): extend after
-        qk_rope_store as the engine's default, the split kernel's qkv variant, and the split
+        qk_rope_store (MINISGL_VERIFY_ATTN=extend), the split kernel's qkv variant, and the split
         kernel after qk_rope_store."""
         a, dev = self.args, self.args.device
         qkv = torch.randn(bs * tokens, self.width, device=dev, dtype=a.dtype)
@@ -170,7 +170,7 @@ def sweep_verify(args, shape, bs: int, ctx: int, tokens: int, kv_dtype, graph: b
     extend, split, two, one, apart = shape.verify(bs, ctx, tokens)
     base = timed(extend, args.iters, graph)
     found = [{"kernel": "extend", "ms": base}]
-    print(f"extend (the default): {base * 1e3:.1f} us")
+    print(f"extend (MINISGL_VERIFY_ATTN=extend): {base * 1e3:.1f} us")
     two_ms, one_ms = timed(two, args.iters, graph), timed(one, args.iters, graph)
     found[0].update(rope_store_then_extend_ms=two_ms, from_qkv_ms=one_ms)
     print(f"from qkv: rotary and store then extend {two_ms * 1e3:.1f} us, the split kernel's"
