@@ -74,14 +74,12 @@ class _Env:
         # all be taken is followed at once by the next one, launched before its tokens are
         # read (speculative/step.py); off: every verify waits for its tokens
         self.SPECULATIVE_AHEAD = EnvVar.read("SPECULATIVE_AHEAD", "on", choices=("on", "off"))
-        # from here the GEMV takes up to 16 rows by default: a verify of up to 15 drafts and
-        # small batches run chapter 20's GEMV or the tensor cores' (kernels/gemv_mma.py)
-        # where the start-up measurement finds them faster (docs/benchmarks.md)
+        # from here the GEMV takes up to 16 rows (a verify of up to 15 drafts, small batches)
+        # where the start-up measurement finds it faster (kernels/gemv_mma.py)
         self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 16)
-        # a verify batch's attention in our kernels: split (its few new tokens a request over
-        # ranges of keys in parallel, kernels/verify_attention.py; split-qkv: from the layer's
-        # qkv in one launch) or extend (a program per query head walks every key, as a
-        # prompt's chunk does)
+        # a verify batch's attention: split (its new tokens over ranges of keys in parallel,
+        # kernels/verify_attention.py; split-qkv: in one launch from qkv) or extend (a
+        # program per query head walks every key, as a prompt's chunk does)
         self.VERIFY_ATTN = EnvVar.read(
             "VERIFY_ATTN", "split", choices=("extend", "split", "split-qkv")
         )
@@ -94,17 +92,15 @@ class _Env:
         # >>> ch31 the Gated DeltaNet layers' kernels: torch (the reference), triton (ours),
         # auto: ours on CUDA (measured faster there: docs/benchmarks.md), torch elsewhere
         self.GATED_DELTA = EnvVar.read("GATED_DELTA", "auto", choices=("auto", "torch", "triton"))
-        # a prefill's recurrence in our kernels: one-pass (each request's chunks of 16 walked
-        # with all their work inside), two-pass (kernels/gated_delta_chunks.py: every chunk's
-        # own work at once, then walks of 64 tokens a step) or auto: two passes where the
-        # batch's requests average more than 2,048 tokens (measured: docs/benchmarks.md)
+        # a prefill's recurrence: one-pass (each request's chunks of 16 walked in turn),
+        # two-pass (kernels/gated_delta_chunks.py: every chunk's own work at once, then walks
+        # of 64 tokens a step) or auto: two passes past 2,048 tokens a request on average
         self.GATED_DELTA_PREFILL = EnvVar.read(
             "GATED_DELTA_PREFILL", "auto", choices=("auto", "one-pass", "two-pass")
         )
-        # a decode step in our kernels: fused (one kernel, a program per request and key head
-        # holding whole states), split (the recurrence over blocks of value columns, then the
-        # norm and the conv state's shift) or auto: split where the fused kernel would have
-        # few programs (measured: docs/benchmarks.md)
+        # a decode step: fused (a program per request and key head holding whole states),
+        # split (the recurrence over blocks of value columns, then the norm and the conv
+        # state's shift) or auto: split where fused would have few programs
         self.GATED_DELTA_DECODE = EnvVar.read(
             "GATED_DELTA_DECODE", "auto", choices=("auto", "fused", "split")
         )

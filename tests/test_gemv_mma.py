@@ -24,7 +24,7 @@ from minisgl.kernels.gemv import (
     gemv_blocks,
     gemv_candidates,
 )
-from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates, split_k
+from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates
 from minisgl.layers.activation import silu_and_mul_reference
 from minisgl.layers.norm import RMSNorm
 from minisgl.llm import LLM
@@ -39,9 +39,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 # (rows of x, out features, in features): blocks that divide and blocks that do not
 SHAPES = [(2, 64, 64), (3, 37, 70), (9, 96, 1030), (MMA_ROWS, 130, 200)]
-# the last two split K into 4 and 3 ranges (fewer where K is short), summed by the last one
-BLOCKS = [MmaBlocks(16, 16, 1, 1), MmaBlocks(32, 64, 2, 2), MmaBlocks(16, 16, 1, 1, 4),
-          MmaBlocks(32, 64, 2, 2, 3)]  # fmt: skip
+BLOCKS = [MmaBlocks(16, 16, 1, 1), MmaBlocks(32, 64, 2, 2)]
 
 
 def _tol(dtype: torch.dtype) -> dict:
@@ -76,7 +74,7 @@ def test_mma_gemv_with_the_norm_equals_add_norm_then_the_projection(
         norm.weight.copy_(torch.rand(k, generator=gen) + 0.5)
     want = F.linear(norm.reference(x + residual), w)
     want = silu_and_mul_reference(want) if gated else want
-    for blocks in [BLOCKS[1], BLOCKS[3], *mma_candidates(n, k, gated)]:
+    for blocks in [BLOCKS[1], *mma_candidates(n, k, gated)]:
         out = torch.full_like(residual, float("nan"))
         got = gemv(x, w, blocks=blocks, gated=gated, norm=(residual, out, norm.weight, norm.eps))
         torch.testing.assert_close(got, want, **_tol(dtype))
@@ -106,14 +104,12 @@ def test_the_tensor_cores_take_the_rows_the_cuda_cores_cannot() -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU test: the GPU has tests/test_gpu.py")
-@pytest.mark.parametrize("split", [1, 4])
 def test_a_verify_of_eight_drafts_in_the_tensor_cores_keeps_the_tokens(
-    monkeypatch: pytest.MonkeyPatch, split: int
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A verify step of one request and its eight drafts is nine rows: with the GEMV forced
     on up to 16 rows, its projections (the norms folded in, gate_up with SiLU-and-mul) run on
-    the tensor cores, and the tokens equal plain decoding's; split 4: each projection's K in
-    four ranges (or as many steps as it has), summed by the last, in the verify graphs too."""
+    the tensor cores, and the tokens equal plain decoding's."""
     from minisgl.layers import kernel_plan
 
     vocab = ModelConfig.from_path(need(TINY["llama"])).vocab_size
@@ -124,8 +120,6 @@ def test_a_verify_of_eight_drafts_in_the_tensor_cores_keeps_the_tokens(
             return F.linear(x, weight, bias)
         if isinstance(blocks, MmaBlocks):
             rows.append((x.size(0), gated, norm is not None))
-            if split > 1:  # steps of 16: a tiny model's K of 64 or more is 4 ranges or more
-                blocks = blocks._replace(block_k=16, split=split)
         return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
 
     def eight_drafts(self, reqs, ks, pending=None):  # right or wrong, always eight
@@ -179,44 +173,3 @@ def test_the_sweep_tries_tiles_that_fit_and_the_tensor_cores_alone_past_the_cuda
         for b in alone:
             assert (b.block_n * (1 + gated) + 16) * b.block_k * 2 * b.stages <= 160 * 1024
         assert set(mma_candidates(3072, 1024, gated)) <= set(alone)  # the candidates came from it
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_tensor_core_gemv_split_over_k_in_a_graph_equals_unsplit() -> None:
-    """The tensor cores' GEMV with K split into ranges (kernels/gemv_mma.py), on the small
-    models' narrow shapes where the start-up measurement tries it, plain, gated and with the
-    norm folded in: within bf16's rounding of the unsplit launch, and the same again when a
-    CUDA graph replays it (its counters are back at zero after every call)."""
-    torch.manual_seed(0)
-    dev, bf = torch.device("cuda"), torch.bfloat16
-    for n, k, gated in ((1024, 2048, False), (3072, 1024, True), (1024, 3072, False)):
-        w = torch.randn(n * (1 + gated), k, device=dev, dtype=bf) * 0.02
-        x = torch.randn(9, k, device=dev, dtype=bf)
-        norm = (torch.randn_like(x), torch.empty_like(x), torch.rand(k, device=dev, dtype=bf), 1e-6)
-        first = mma_candidates(n, k, gated)[0]
-        split = split_k(first, n, k)
-        assert split is not None and split.split > 1
-        for folded in (None, norm):
-            want = gemv(x, w, blocks=first, gated=gated, norm=folded).float()
-            got = gemv(x, w, blocks=split, gated=gated, norm=folded)
-            torch.testing.assert_close(got.float(), want, rtol=0.02, atol=0.02)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                replayed = gemv(x, w, blocks=split, gated=gated, norm=folded)
-            for _ in range(3):
-                replayed.zero_()
-                graph.replay()
-                torch.testing.assert_close(replayed, got, rtol=0, atol=0)
-
-
-def test_split_k_makes_two_waves_of_a_narrow_tile_and_leaves_a_wide_one() -> None:
-    """`split_k`: Qwen3-0.6B's o (64 programs of 16 features) into 8 ranges of its 2,048 of
-    K, its gate_up (48 programs) into 8 of 1,024; a K of one step is not split, nor a tile
-    with two waves of programs already (the 8B's qkv)."""
-    o, gate_up = mma_candidates(1024, 2048)[0], mma_candidates(3072, 1024, gated=True)[0]
-    assert split_k(o, 1024, 2048) == o._replace(split=8)
-    assert split_k(gate_up, 3072, 1024) == gate_up._replace(split=8)
-    assert split_k(o, 1024, o.block_k) is None
-    assert split_k(MmaBlocks(16, 256, 2, 4), 6144, 4096) is None
-    short = split_k(o, 1024, 2 * o.block_k)  # as many ranges as K has steps
-    assert short is not None and short.split == 2

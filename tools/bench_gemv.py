@@ -79,18 +79,14 @@ def sweep_blocks(m: int, key: GemvKey) -> list[tuple[int, int, int, int]]:
     out: list = []
     # >>> ch26 the tensor cores' launches from two rows up, past the CUDA cores' rows alone
     from minisgl.kernels.gemv import FMA_ROWS
-    from minisgl.kernels.gemv_mma import TWO_WAVES, MmaBlocks
+    from minisgl.kernels.gemv_mma import MmaBlocks
 
-    if m > 1:  # tiles whose pipelined steps fit in shared memory (160 KB of the 228); split
-        # over K in 2, 4 or 8 ranges of a step at least where they leave under two waves
+    if m > 1:  # tiles whose pipelined steps fit in shared memory (160 KB of the 228)
         for bn, bk, warps, stages in itertools.product([16, 32, 64, 128], [64, 128, 256, 512, 1024],
                                                        [2, 4], [1, 2, 3, 4]):  # fmt: skip
             staged = (bn * (1 + key.gated) + 16) * bk * 2 * stages
             if bk <= max(128, 1 << (key.k - 1).bit_length()) and staged <= 160 * 1024:
                 out.append(MmaBlocks(bn, bk, warps, stages))
-                if -(-key.n // bn) < TWO_WAVES:
-                    splits = [s for s in (2, 4, 8) if s <= key.k // bk]
-                    out += [MmaBlocks(bn, bk, warps, stages, s) for s in splits]
     if m > FMA_ROWS:
         return out
     # <<< ch26

@@ -332,11 +332,10 @@ def candidates(
 
 def gemv_label(blocks: Blocks) -> str:
     """How the log and the times cache name a GEMV launch: gemv 1x2x512w1 (rows, features and
-    K per program, warps), gemv mma 32x128w2s3 (features, K, warps, stages) on the tensor cores,
-    gemv mma 16x256w2s4k8 split over K in 8 ranges."""
+    K per program, warps), gemv mma 32x128w2s3 (features, K, warps, stages) on the tensor cores."""
     # >>> ch26
     if type(blocks).__name__ == "MmaBlocks":
-        return "gemv mma {}x{}w{}s{}".format(*blocks) + (f"k{blocks[4]}" if blocks[4] > 1 else "")
+        return "gemv mma " + "x".join(map(str, blocks[:2])) + "w{}s{}".format(*blocks[2:])
     # <<< ch26
     return "gemv " + "x".join(map(str, blocks[:3])) + f"w{blocks[3]}"
 

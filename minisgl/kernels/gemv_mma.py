@@ -24,55 +24,41 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.fused_decode import _split_counters
-
 MMA_ROWS = 16  # rows of x this kernel takes: the narrow side of the tensor cores' product
-TWO_WAVES = 2 * 132  # programs: two for each SM of an H100 or H200
 
 
 class MmaBlocks(NamedTuple):
-    """A launch of `mma_gemv`: output features per program, K per step, warps, the steps of
-    W in flight (Triton's software pipeline), and the ranges K is split into (split-K: more
-    programs for a narrow W). A NamedTuple, so the GEMV's table can hold it beside the
-    GEMV's own blocks and `gemv` tells them apart."""
+    """A launch of `mma_gemv`: output features per program, K per step, warps, and the steps
+    of W in flight (Triton's software pipeline). A NamedTuple, so the GEMV's table can hold
+    it beside the GEMV's own blocks and `gemv` tells them apart."""
 
     block_n: int
     block_k: int
     warps: int
     stages: int
-    split: int = 1
 
 
-@triton.jit(do_not_specialize=["M", "parts", "k_part"])  # one build serves every row count
+@triton.jit(do_not_specialize=["M"])  # one build serves every row count
 def _mma_gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
-    Parts, Squares, Counters, parts, k_part,  # SPLIT: K in `parts` ranges of k_part
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr = False,
 ):  # fmt: skip
     # y^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T [K, 16]. Rows of W past N are read as row 0
     # (never stored), so only K's tail, where K % BLOCK_K != 0, masks the loads of W.
-    # SPLIT: this program sums its range of K (a multiple of BLOCK_K) only; the sums go to
-    # Parts, and the last range of its block of features to finish adds them up and ends.
     pid = tl.program_id(0)
-    if SPLIT:
-        k_start = tl.program_id(1) * k_part
-        k_end = tl.minimum(k_start + k_part, K)
-    else:
-        k_start, k_end = 0, K
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
     rk = tl.arange(0, BLOCK_K)
     m_mask, n_mask = rm < M, rn < N
-    w_ptrs = W + tl.where(n_mask, rn, 0)[:, None].to(tl.int64) * stride_wn + (k_start + rk)[None, :]
-    x_offs = rm[None, :] * stride_xm + (k_start + rk)[:, None]  # x^T: K down, rows of x across
+    w_ptrs = W + tl.where(n_mask, rn, 0)[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_offs = rm[None, :] * stride_xm + rk[:, None]  # x^T: K down, rows of x across
     acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
     squares = tl.zeros((16,), dtype=tl.float32)
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
+    for k in range(0, K, BLOCK_K):
         if EVEN_K:
             x_mask = m_mask[None, :]
             w = tl.load(w_ptrs)
@@ -100,47 +86,21 @@ def _mma_gemv_kernel(
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_offs += BLOCK_K
-    last = True
-    if SPLIT:
-        width = tl.num_programs(0) * BLOCK_N  # a row of Parts: every block's features
-        here = (tl.program_id(1) * 16 + rm[None, :]) * width + rn[:, None]
-        tl.store(Parts + here, acc)
+    dtype = Y.dtype.element_ty
+    y = acc
+    if NORM:
+        rstd = tl.rsqrt(squares / K + eps)[None, :]
+        y *= rstd
         if GATED:
-            tl.store(Parts + parts * 16 * width + here, acc_up)
-        if NORM:
-            tl.store(Squares + (tl.program_id(1) * tl.num_programs(0) + pid) * 16 + rm, squares)
-        tl.debug_barrier()  # every thread's sums are written before the count says so
-        last = tl.atomic_add(Counters + pid, 1, sem="acq_rel") == parts - 1
-        if last:  # every range of this block is in Parts: add them up
-            acc = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-            squares = tl.zeros((16,), dtype=tl.float32)
-            if GATED:
-                acc_up = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-            for p in range(0, parts):
-                there = (p * 16 + rm[None, :]) * width + rn[:, None]
-                acc += tl.load(Parts + there, cache_modifier=".cg")
-                if GATED:
-                    acc_up += tl.load(Parts + parts * 16 * width + there, cache_modifier=".cg")
-                if NORM:
-                    at = (p * tl.num_programs(0) + pid) * 16 + rm
-                    squares += tl.load(Squares + at, cache_modifier=".cg")
-            tl.atomic_xchg(Counters + pid, 0)  # ready for the next call (and graph replay)
-    if last:
-        dtype = Y.dtype.element_ty
-        y = acc
-        if NORM:
-            rstd = tl.rsqrt(squares / K + eps)[None, :]
-            y *= rstd
-            if GATED:
-                acc_up *= rstd
-        if HAS_BIAS:
-            y += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
-        if GATED:  # rounded to the model dtype first, as the unfused matmul's output is
-            gate = y.to(dtype).to(tl.float32)
-            up = acc_up.to(dtype).to(tl.float32)
-            y = gate / (1.0 + tl.exp(-gate)) * up
-        y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
-        tl.store(y_ptrs, y.to(dtype), mask=m_mask[None, :] & n_mask[:, None])
+            acc_up *= rstd
+    if HAS_BIAS:
+        y += tl.load(BIAS + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    if GATED:  # rounded to the model dtype first, as the unfused matmul's output is
+        gate = y.to(dtype).to(tl.float32)
+        up = acc_up.to(dtype).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    y_ptrs = Y + rm[None, :] * stride_ym + rn[:, None]
+    tl.store(y_ptrs, y.to(dtype), mask=m_mask[None, :] & n_mask[:, None])
 
 
 def mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
@@ -153,19 +113,6 @@ def mma_candidates(n: int, k: int, gated: bool = False) -> list[MmaBlocks]:
     if gated:
         return [MmaBlocks(64, 64, 4, 4), MmaBlocks(64, 256, 4, 1)]
     return [MmaBlocks(16, 256, 2, 4), MmaBlocks(64, 256, 4, 3)]
-
-
-def split_k(blocks: MmaBlocks, n: int, k: int) -> MmaBlocks | None:
-    """`blocks` split over K where its programs make fewer than two waves (a small model's
-    o, down and gate_up: 48-64 programs for 132 SMs, so each SM waits out its few loads one
-    after another): enough ranges of K for two waves, each at least one step; None where it
-    makes enough already. Not among the start-up's candidates until timed on a GPU
-    (docs/benchmarks.md, "Not measured"); tools/bench_gemv.py's sweep tries such splits."""
-    programs = triton.cdiv(n, blocks.block_n)
-    split = min(8, triton.next_power_of_2(triton.cdiv(TWO_WAVES, programs)))
-    while split > 1 and k < split * blocks.block_k:  # a step of K a range at least
-        split //= 2
-    return blocks._replace(split=split) if programs < TWO_WAVES and split > 1 else None
 
 
 def mma_gemv(
@@ -188,23 +135,12 @@ def mma_gemv(
         assert (
             residual.shape == x.shape and residual.stride() == residual_out.stride() == x.stride()
         )
-    features = triton.cdiv(n, blocks.block_n)  # programs along N
-    # split-K: ranges of whole K steps; fewer where K is short
-    k_part = triton.cdiv(triton.cdiv(k, blocks.split), blocks.block_k) * blocks.block_k
-    parts = triton.cdiv(k, k_part)
-    parts_buf = squares = counters = y
-    if parts > 1:
-        f32 = dict(dtype=torch.float32, device=x.device)
-        parts_buf = torch.empty(parts * (1 + gated) * 16 * features * blocks.block_n, **f32)
-        squares = torch.empty(parts * features * 16, **f32) if norm is not None else parts_buf
-        counters = _split_counters(x.device, features)
-    _mma_gemv_kernel[(features, parts)](
+    _mma_gemv_kernel[(triton.cdiv(n, blocks.block_n),)](
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        parts_buf, squares, counters, parts, k_part,
         BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm is not None, EVEN_K=k % blocks.block_k == 0,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT=parts > 1,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=blocks.warps, num_stages=blocks.stages,
     )  # fmt: skip
     return y
