@@ -134,6 +134,20 @@ def test_a_requests_own_tree_follows_its_tokens_and_is_learned_when_it_leaves() 
     assert drafter.propose([other], [2]) == [[1]]  # from the first request's answer
 
 
+def test_trees_are_as_deep_as_the_drafts_a_request_may_ask_for() -> None:
+    """More drafts than the default (`--num-draft-tokens 15`): a request that copies its
+    prompt gets as many as it asks for, where trees of the default depth stop at the 9
+    tokens their match carries; the engine's drafter gets trees that deep."""
+    text = list(range(100, 140))
+    req = Req(torch.tensor(text + text[:20]), 0, 0, 64, 0, SamplingParams())
+    assert SuffixDrafter().propose([req], [16]) == [text[20 : 20 + DEPTH - 1]]
+    assert SuffixDrafter(depth=17).propose([req], [16]) == [text[20:36]]
+    llm = LLM(str(need(TINY["llama"])), **KW, speculative="suffix", num_draft_tokens=15)
+    drafter = llm.scheduler.spec.drafter
+    llm.shutdown()
+    assert isinstance(drafter, SuffixDrafter) and drafter.depth == 17
+
+
 PROMPTS = [
     "Copy this line twice: the cat sat on the mat. the cat sat on the mat.",
     "def area(w, h):\n    return w * h\n\ndef area(w, h):\n",

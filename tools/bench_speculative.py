@@ -290,7 +290,7 @@ def main() -> None:
     args = parse(p)
     if args.speculative == "off":
         args.speculative = "ngram"
-    if args.pairs < 2:
+    if args.pairs < (1 if args.costs else 2):  # modelled times are the same every run
         p.error("--pairs must be at least 2: the noise floor is the spread of the off runs")
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM

@@ -38,7 +38,7 @@ from minisgl.speculative.acceptance import AHEAD, Acceptance
 from minisgl.speculative.cost import StepCosts, leader_clock
 from minisgl.speculative.draft_model import DraftModelDrafter
 from minisgl.speculative.ngram import NgramDrafter
-from minisgl.speculative.suffix import SuffixDrafter
+from minisgl.speculative.suffix import DEPTH, SuffixDrafter
 from minisgl.speculative.verify import VerifyRows, accept_into_pool
 from minisgl.utils import to_device, to_host
 
@@ -76,7 +76,8 @@ class Speculator:
         if config.speculative == "draft":  # a smaller model's greedy tokens
             self.drafter = DraftModelDrafter(config, scheduler.engine)
         elif config.speculative == "suffix":  # this request's and earlier requests' text
-            self.drafter = SuffixDrafter()
+            # trees deep enough that a match can carry every draft a request may ask for
+            self.drafter = SuffixDrafter(depth=max(DEPTH, self.max_drafts + 2))
         self.acceptance = Acceptance(self.max_drafts)  # per request: rate, switch-off
         # Whose wait a verify must shorten: False (a server), each request's own, so the
         # drafts the batch is expected to take must pay for the step; True (the offline

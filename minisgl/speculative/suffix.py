@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from minisgl.core import Req
 
 DEPTH = 10  # the longest substring a tree counts; a match of DEPTH - 1 covers 8 drafts
+# and the guess after them (more drafts a request: `SuffixDrafter(depth=k + 2)`)
 MIN_MATCH = 2  # a match of one token guesses mostly wrong (as for n-gram drafts)
 MIN_PROB = 0.1  # a draft token is proposed while the run up to it is at least this likely
 OWN_WINDOW = 4096  # a request's tree starts from its last tokens: its cost stays bounded
@@ -157,14 +158,15 @@ class Own:
     """A request's tree and how far it has read the request's tokens."""
 
     req: Req
-    tree: SuffixTree = field(default_factory=SuffixTree)
+    tree: SuffixTree
     ends: list[int] = field(default_factory=lambda: [ROOT])
     read: int = 0  # tokens of req.input_ids added
 
 
 class SuffixDrafter:
-    def __init__(self, shared_tokens: int = SHARED_TOKENS) -> None:
-        self.shared = SuffixTree()
+    def __init__(self, shared_tokens: int = SHARED_TOKENS, depth: int = DEPTH) -> None:
+        self.depth = depth  # a draft follows a match of up to depth - 1 tokens that far
+        self.shared = SuffixTree(depth)
         self.capacity = shared_tokens
         self.outputs: OrderedDict[int, list[int]] = OrderedDict()  # in the shared tree, by uid
         self.held = 0  # tokens in self.outputs
@@ -179,8 +181,8 @@ class SuffixDrafter:
                 drafts.append([])
                 continue
             own = self._read(req)  # its own tokens: pending ones may yet be rejected
-            tail = req.input_ids[-(DEPTH - 1) :].tolist() + (pending[i] if pending else [])
-            tail = tail[-(DEPTH - 1) :]
+            tail = req.input_ids[-(self.depth - 1) :].tolist() + (pending[i] if pending else [])
+            tail = tail[-(self.depth - 1) :]
             mine, theirs = own.tree.draft(tail, k), self.shared.draft(tail, k)
             drafts.append(max(mine, theirs, key=lambda d: d[1])[0])
         return drafts
@@ -196,7 +198,7 @@ class SuffixDrafter:
         the tree holds more than its capacity."""
         if req.seq_len == req.prompt_len:
             return  # nothing generated
-        start = max(0, req.prompt_len - (DEPTH - 1))
+        start = max(0, req.prompt_len - (self.depth - 1))
         tokens = req.input_ids[start:].tolist()[-self.capacity :]
         self._forget(req.uid)
         self.shared.extend([ROOT], tokens)
@@ -216,7 +218,7 @@ class SuffixDrafter:
         OWN_WINDOW tokens)."""
         own = self.own.get(req.uid)
         if own is None:
-            own = self.own[req.uid] = Own(req)
+            own = self.own[req.uid] = Own(req, SuffixTree(self.depth))
             own.read = max(0, req.seq_len - OWN_WINDOW)
         if own.read < req.seq_len:
             own.ends = own.tree.extend(own.ends, req.input_ids[own.read :].tolist())
