@@ -460,6 +460,30 @@ def oracle_drafter(prompts: list[list[int]], want: list[list[int]], vocab: int =
     return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
 
 
+def behind_oracle(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
+    """Drafts from a plain run's own output after the host's tokens (and any pending ones),
+    up to k: none every fourth token, so plain steps come between verifies and the next
+    verify may be launched behind one; every third the first one wrong, which is, behind a
+    plain step, the guess of that step's token."""
+
+    def draft(req: Req, k: int, pending: list[int]) -> list[int]:
+        ids = req.input_ids.tolist() + pending
+        i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
+        done = len(ids) - len(prompts[i])
+        if done % 4 == 3:
+            return []
+        tokens = want[i][done : done + k]
+        if done % 3 == 0 and tokens:
+            tokens[0] = (tokens[0] + 1) % vocab
+        return tokens
+
+    def propose(self, reqs, ks, pending=None):
+        extra = pending or [[] for _ in reqs]
+        return [draft(r, k, p) if k > 0 else [] for r, k, p in zip(reqs, ks, extra)]
+
+    return propose
+
+
 # <<< ch26
 
 

@@ -31,6 +31,7 @@ from helpers import (
     TINY,
     Driver,
     all_logits,
+    behind_oracle,
     free_port,
     make_engine,
     need,
@@ -332,6 +333,19 @@ def test_partly_wrong_drafts_give_the_plain_tokens(folders, plain, name, monkeyp
     assert 0 < spec.num_accepted < spec.num_drafted  # some drafts taken, the wrong ones not
     assert "verify" in replayed
     assert got == plain[name]
+
+
+def test_verifies_behind_plain_steps_give_the_plain_tokens(folders, plain, monkeypatch) -> None:
+    """Overlap on, E2B's window of 8 freeing pages: verifies launched behind the plain step
+    in flight, some of their guesses of its token wrong."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(NgramDrafter, "propose", behind_oracle(SPEC_PROMPTS, plain["e2b"], VOCAB))
+    (got,), llm = serve(folders["e2b"], SPEC_PROMPTS, speculative="ngram", cuda_graph_max_bs=4,
+                        **SPEC)  # fmt: skip
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert spec.num_behind > 0 and spec.num_behind_missed > 0 and spec.num_accepted > 0
+    assert got == plain["e2b"]
 
 
 @pytest.mark.parametrize("name", ["e2b", "a4b"])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QWEN3_5_PUBLISHED, TINY, need, oracle_drafter
+from helpers import QWEN3_5_PUBLISHED, TINY, behind_oracle, need, oracle_drafter
 from test_qwen3_5 import TEXT, VOCAB, _perturb, token_ids
 
 from minisgl.core import SamplingParams
@@ -88,6 +88,19 @@ def test_without_the_roll_back_the_tokens_change(model, plain, monkeypatch) -> N
     got, llm = generate(model, speculative="ngram", **SPEC)
     llm.shutdown()
     assert got != plain
+
+
+def test_verifies_behind_plain_steps_give_the_plain_tokens(model, plain, monkeypatch) -> None:
+    """Overlap on: a verify launched behind the plain step in flight reads the state that
+    step leaves, and where its guess of that step's token was wrong keeps the state after
+    the one token it makes."""
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(NgramDrafter, "propose", behind_oracle(PROMPTS, plain, VOCAB))
+    got, llm = generate(model, speculative="ngram", **SPEC)
+    spec = llm.scheduler.spec
+    llm.shutdown()
+    assert spec.num_behind > 0 and spec.num_behind_missed > 0 and spec.num_accepted > 0
+    assert got == plain
 
 
 def test_suffix_drafts_from_earlier_answers_give_the_plain_tokens(model, plain) -> None:

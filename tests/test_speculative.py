@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from helpers import CPU, SMOL, TINY, need, oracle_drafter, serving
+from helpers import CPU, SMOL, TINY, behind_oracle, need, oracle_drafter, serving
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
@@ -424,6 +424,62 @@ def test_verifies_launched_ahead_give_the_plain_tokens(monkeypatch, kernel) -> N
     assert 0 < spec.num_accepted < spec.num_drafted
 
 
+@pytest.mark.parametrize("ahead", ["on", "off"])
+def test_verifies_launched_behind_plain_steps_give_the_plain_tokens(monkeypatch, ahead) -> None:
+    """With overlap scheduling a verify after a plain step is launched behind it, its drafts
+    made from the host's tokens as if that step's token were their first (every third
+    guess wrong here): the output, a stop token inside an accepted run and every page are
+    as without drafts, on a small pool where requests are preempted; and against the same
+    run with verifies after draining, the pipeline is drained for fewer steps."""
+    from minisgl.env import ENV
+
+    prompts = tiny_prompts(7)
+    params = [SamplingParams(max_tokens=14 + 4 * i, ignore_eos=True) for i in range(4)]
+    kw = dict(page_size=16, num_page_override=5, max_prefill_length=12)
+    want, llm = generate(TINY["qwen3"], prompts, params, **kw)
+    llm.shutdown()
+    stop = want[2][9]
+    params[2] = SamplingParams(max_tokens=22, ignore_eos=True, stop_token_ids=[stop])
+    want[2] = want[2][: want[2].index(stop) + 1]
+    monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(ENV.SPECULATIVE_AHEAD, "value", ahead)
+    monkeypatch.setattr(NgramDrafter, "propose", behind_oracle(prompts, want))
+    drained = {}
+    for behind in ("off", "on"):
+        monkeypatch.setattr(ENV.SPECULATIVE_BEHIND, "value", behind)
+        got, llm = generate(TINY["qwen3"], prompts, params, speculative="ngram", **kw)
+        spec, sched = llm.scheduler.spec, llm.scheduler
+        llm.shutdown()
+        assert got == want, behind
+        assert sched.num_preemptions > 0 and 0 < spec.num_accepted < spec.num_drafted
+        drained[behind] = spec.num_drained
+        if behind == "on":
+            assert spec.num_behind > 0 and spec.num_behind_missed > 0
+        else:
+            assert spec.num_behind == 0
+    assert drained["on"] < drained["off"], drained
+
+
+def test_a_guess_of_the_plain_steps_token_counts_as_a_draft() -> None:
+    """Behind a plain step, a request's drafts follow its guess of that step's token: a right
+    guess is one more draft taken; a wrong one is a draft rejected, and the drafts after it
+    (checked against another token) say nothing of the drafter."""
+    from minisgl.speculative.step import Speculator
+
+    spec = Speculator.__new__(Speculator)
+    spec.acceptance = Acceptance(8)
+    spec.num_steps = spec.num_drafted = spec.num_accepted = 0
+    spec.accepted_lengths = [0] * 9
+    spec._count(1, 3, 5, lead=True)  # 4 of 6 taken
+    spec._count(2, 3, 5, lead=False)  # 0 of 1
+    spec._count(3, 3, 5)  # 3 of 5
+    records = spec.acceptance.records
+    assert (records[1].taken, records[1].rejected) == pytest.approx((0.8 * 2.0 + 4, 0.8 * 0.5 + 1))
+    assert (records[2].taken, records[2].rejected) == pytest.approx((0.8 * 2.0, 0.8 * 0.5 + 1))
+    assert (records[3].taken, records[3].rejected) == pytest.approx((0.8 * 2.0 + 3, 0.8 * 0.5 + 1))
+    assert spec.num_drafted == 15 and spec.num_accepted == 9 and spec.accepted_lengths[3] == 3
+
+
 def plain_llama(seed: int, n: int, tokens: int) -> tuple[list, SamplingParams, list]:
     """n of the tiny prompts, greedy for `tokens` tokens, and the tiny Llama's plain output."""
     prompts = tiny_prompts(seed)[:n]
@@ -481,11 +537,12 @@ def test_a_batch_not_likely_to_go_ahead_gives_up_no_draft_for_a_guess(monkeypatc
     counts: list[int] = []
     launch = Speculator._launch
 
-    def recorded(self, reqs, drafts, *rest):
+    def recorded(self, reqs, drafts, *rest, **kw):
         counts.extend(len(d) for d in drafts)
-        return launch(self, reqs, drafts, *rest)
+        return launch(self, reqs, drafts, *rest, **kw)
 
     monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(ENV.SPECULATIVE_BEHIND, "value", "off")  # two drafts, not a guess and one
     monkeypatch.setattr(NgramDrafter, "propose", two)
     monkeypatch.setattr(Speculator, "_launch", recorded)
     kw = dict(speculative="ngram", speculative_always=False)

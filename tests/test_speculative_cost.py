@@ -272,11 +272,16 @@ def test_a_batch_of_four_speculates_where_it_pays_and_stops_where_it_does_not(mo
     assert cheap.num_accepted == cheap.num_steps  # one draft taken per request and verify
 
 
-def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch) -> None:
+@pytest.mark.parametrize("behind", ["off", "on"])
+def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch, behind) -> None:
     """With overlap, the drafter here proposes a wrong token from the stale text (an even
     length) and nothing from the fresh (odd): every drain ends in a plain step. Counted as
-    misses, they switch the request off; the tokens stay plain decoding's."""
+    misses, they switch the request off; the tokens stay plain decoding's. Launched behind
+    the plain step instead, each verify's guess of that step's token is wrong: counted as a
+    draft rejected, they switch it off as soon."""
     from minisgl.env import ENV
+
+    monkeypatch.setattr(ENV.SPECULATIVE_BEHIND, "value", behind)
 
     one = prompts(1)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
@@ -304,8 +309,11 @@ def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch
     llm.scheduler.check_integrity()
     llm.shutdown()
     assert got == want and llm.scheduler.overlap
-    assert spec.num_forwards == 0  # never a verify: every drain came to nothing
-    assert ("drained", 1) in spec.costs.seen
+    if behind == "off":
+        assert spec.num_forwards == 0  # never a verify: every drain came to nothing
+        assert ("drained", 1) in spec.costs.seen
+    else:
+        assert spec.num_forwards == spec.num_behind == spec.num_behind_missed > 0
     # Without the misses the request drafts at every other step, 24 times in 48 tokens.
     assert 1 <= len(asked) <= 6, asked
 

@@ -137,6 +137,7 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
     from minisgl.speculative.suffix import SuffixDrafter
 
     spec = llm.scheduler.spec  # type: ignore[attr-defined]
+    depth = getattr(spec.drafter, "depth", 0)  # as deep as --num-draft-tokens asks
     replays: list[str] = []
     runner = llm.engine.graph_runner  # type: ignore[attr-defined]
     replay = runner.replay
@@ -147,7 +148,7 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
     def one(side: str) -> tuple[list, float]:
         spec.enabled = side == "on"
         if mode == "suffix":  # no answers of earlier runs of these prompts
-            spec.drafter = SuffixDrafter()
+            spec.drafter = SuffixDrafter(depth=depth)
         return run(llm, prompts, params, alone)
 
     one("off"), one("on")  # the warm-up: every shape either side meets
@@ -212,6 +213,7 @@ def modelled(
             return True
 
     spec = llm.scheduler.spec  # type: ignore[attr-defined]
+    depth = getattr(spec.drafter, "depth", 0)  # as deep as --num-draft-tokens asks
     spec.costs = Given()
     try_step = spec.try_step
     steps: list[tuple[int, bool, list[int]]] = []  # decode steps: size, verified, requests
@@ -229,7 +231,7 @@ def modelled(
     for side in ("off", "on"):
         spec.enabled = side == "on"
         if mode == "suffix":
-            spec.drafter = SuffixDrafter()
+            spec.drafter = SuffixDrafter(depth=depth)
         steps.clear()
         before = counters(spec, [])
         out, _ = run(llm, prompts, params, alone)

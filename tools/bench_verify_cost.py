@@ -24,7 +24,9 @@ Printed:
   verify step (median interval of the verify run: verifies back to back, nothing to drain),
   their ratio; and a verify among decode steps, the way speculation meets it: the run's
   time beyond its plain steps (at the adjacent plain run's cost) per verify. With overlap
-  scheduling that one carries the pipeline drained before it and refilled after it. Beside
+  scheduling that one carries the pipeline drained before it and refilled after it (none
+  drained before it where it is launched behind the plain step in flight:
+  `MINISGL_SPECULATIVE_BEHIND`). Beside
   it, the ratio the engine measured in that run (its StepCosts, fresh for the run): where
   the two agree, the engine's decisions rest on the right number. The noise floor is the
   spread of the plain runs' medians within the batch.
@@ -419,8 +421,9 @@ def compare_variants(args: argparse.Namespace, variants: dict[str, dict[str, str
     print(f"\n{args.model}, {args.dtype} on {args.device}; {args.steps} steps a run, "
           f"{args.rounds} alternating rounds, each variant a fresh engine a round")  # fmt: skip
     print("| variant | batch | drafts k | decode ms, rounds | verify ms, rounds | "
-          f"verify / decode, rounds | mean | {first}'s mean / this |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          f"verify / decode, rounds | mean | {first}'s mean / this | among decodes (every "
+          f"{args.every}th) / decode, rounds |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     means: dict[str, list[float]] = {}
     for name, rounds in runs.items():
         means[name] = []
@@ -430,8 +433,9 @@ def compare_variants(args: argparse.Namespace, variants: dict[str, dict[str, str
             means[name].append(mean)
             shown = (("decode_ms", ".3f"), ("verify_ms", ".3f"), ("ratio", ".2f"))
             cells = [" / ".join(f"{r[key]:{fmt}}" for r in rows) for key, fmt in shown]
+            among = " / ".join(f"{r['among_ratio']:.2f}" for r in rows)
             print(f"| {name} | {row['batch']} | {row['k']} | {' | '.join(cells)} | {mean:.2f} | "
-                  f"{means[first][i] / mean:.3f}x |")  # fmt: skip
+                  f"{means[first][i] / mean:.3f}x | {among} |")  # fmt: skip
     if args.output_json:
         found = {"variants": variants, "runs": runs}
         Path(args.output_json).write_text(json.dumps(found, indent=1))

@@ -63,6 +63,8 @@ class Ahead:
     done: torch.cuda.Event | None
     child: Ahead | None = None
     dead: set[int] = field(default_factory=set)  # rows that count for nothing
+    # launched behind a plain step: the token each request's drafts assumed that step makes
+    leads: list[int | None] = field(default_factory=list)
 
 
 class Speculator:
@@ -76,8 +78,9 @@ class Speculator:
         if config.speculative == "draft":  # a smaller model's greedy tokens
             self.drafter = DraftModelDrafter(config, scheduler.engine)
         elif config.speculative == "suffix":  # this request's and earlier requests' text
-            # trees deep enough that a match can carry every draft a request may ask for
-            self.drafter = SuffixDrafter(depth=max(DEPTH, self.max_drafts + 2))
+            # trees deep enough that a match can carry every draft a request may ask for: k,
+            # the guess after them, and the token of the step in flight before them (below)
+            self.drafter = SuffixDrafter(depth=max(DEPTH, self.max_drafts + 3))
         self.acceptance = Acceptance(self.max_drafts)  # per request: rate, switch-off
         # Whose wait a verify must shorten: False (a server), each request's own, so the
         # drafts the batch is expected to take must pay for the step; True (the offline
@@ -89,6 +92,7 @@ class Speculator:
         self.skipped: set[str] = set()  # why some batches took the plain step, said once
         self.costs = StepCosts()  # what verify and plain steps cost, measured
         self.drained = False  # this step drained the pipeline for a verify
+        self.num_drained = 0  # steps that did
         # A verify launched ahead of the one before it (below): with overlap scheduling, for
         # prompt-lookup drafts, where the KV pool is all a request keeps (no recurrent state
         # to roll back, no sliding window to free pages by a length that may go back).
@@ -102,6 +106,14 @@ class Speculator:
             self.ahead_on = False  # [ch31]
         self.ahead: Ahead | None = None  # the verify in flight, when one is
         self.num_ahead = self.num_ahead_dead = 0  # verifies launched ahead; their rows in vain
+        # A verify launched behind the plain step in flight (`_behind`), for prompt-lookup
+        # drafts: a plain step always makes one token, so where it goes is known.
+        self.behind_on = (
+            ENV.SPECULATIVE_BEHIND.value == "on"
+            and scheduler.overlap
+            and isinstance(self.drafter, NgramDrafter | SuffixDrafter)
+        )
+        self.num_behind = self.num_behind_missed = 0  # such verifies; rows whose guess missed
 
     def try_step(self, batch: Batch) -> list[TokenMsg] | None:
         """Run `batch` (a decode batch) as a verify step and return its tokens; None when
@@ -134,29 +146,58 @@ class Speculator:
         # Drained, and nothing launched: the next step schedules the requests as they now
         # stand (some finished; one whose verify took every draft may need a page).
         self.drained = True
+        self.num_drained += 1
         return self.scheduler.drain()
 
     def _try(self, batch: Batch) -> list[TokenMsg] | None:
         s = self.scheduler
-        drafts, _, guesses = self._draft(batch.reqs)
+        lead = self._behind(batch.reqs)
+        drafts, _, guesses, leads = self._draft(batch.reqs, lead=lead)
+        if lead is not None:  # behind the plain step in flight, or a plain step after it
+            fitted = self._fit(drafts, batch.reqs, guesses)
+            if fitted is None or not self._pays(batch.reqs, fitted, leads):
+                return None
+            return self._verify(batch.reqs, fitted, guesses, leads)
         if not self._pays(batch.reqs, drafts):
             return None
         messages: list[TokenMsg] = []
         if s.in_flight is not None:
             stale = {r.uid: d[0] for r, d in zip(batch.reqs, drafts) if d}  # guesses of it
             messages, self.drained = s.drain(), True  # finished requests leave: schedule again
+            self.num_drained += 1
             fresh = s.decode.schedule()
             if fresh is None:
                 return messages
             batch = fresh
             if not self._takes(batch):  # e.g. a grammar's first token came in
                 return messages + s.run(batch)
-            drafts, ks, guesses = self._draft(batch.reqs)  # from the fresh tokens
+            drafts, ks, guesses, _ = self._draft(batch.reqs)  # from the fresh tokens
             self._missed(batch.reqs, drafts, ks, stale)
         fitted = self._fit(drafts, batch.reqs, guesses)
         if fitted is None or not self._pays(batch.reqs, fitted):  # not after all: plain
             return messages + s.run(batch)
         return messages + self._verify(batch.reqs, fitted, guesses)
+
+    def _behind(self, reqs: list[Req]) -> list[int] | None:
+        """Whether the verify may be launched behind the plain step in flight, not after
+        draining it: for each request, the tokens that step makes which the host does not
+        have yet (1 where it is in that step, else 0); None where it may not.
+
+        A plain step makes exactly one token a request, at a place known before it is made,
+        and there it already lies in the token pool when the verify's forward reads its
+        first row. The drafts after it are made from the host's tokens, one short, as if
+        that token were their own first one: where it was, they are as good as drafts made
+        after draining; where it was not, the verify still makes that request's next token
+        (the rows are checked against the model, whatever they hold), as a plain step
+        would. Meanwhile the host's work for the verify runs while the device computes the
+        step before it, as a plain step's does."""
+        flight = self.scheduler.in_flight
+        if not self.behind_on or flight is None or flight.finish is not None:
+            return None
+        if flight.output is None:  # a grammar's step, sampled once the one before is in
+            return None
+        lead = [r.device_len - r.seq_len for r in reqs]
+        return lead if any(lead) and all(n in (0, 1) for n in lead) else None
 
     def _missed(
         self, reqs: list[Req], drafts: list[list[int]], ks: list[int], stale: dict[int, int]
@@ -170,7 +211,9 @@ class Speculator:
             if k and not draft and guess is not None and guess != int(req.input_ids[-1]):
                 self.acceptance.record(req.uid, 0, 1)
 
-    def _pays(self, reqs: list[Req], drafts: list[list[int]]) -> bool:
+    def _pays(
+        self, reqs: list[Req], drafts: list[list[int]], leads: list[int | None] | None = None
+    ) -> bool:
         """Whether these drafts are worth a verify step: the drafts each request is expected
         to have accepted (its acceptance rate a: a + a^2 + ... over its drafts), against
         what a verify step costs at this batch size (cost.py).
@@ -185,13 +228,21 @@ class Speculator:
         sooner for the last is worth bs * g: cost.py weighs a batch's tokens); if lengths
         had nothing to do with drafts, any request would be as likely to be last, and the
         gain the sum's. The step takes the midpoint, and the sum while a request's rate or
-        the batch size's verify cost is still a guess: they are learned only by verifying."""
+        the batch size's verify cost is still a guess: they are learned only by verifying.
+        `leads`: drafts made after a guess of the plain step's token in flight (`_behind`)
+        count only if it is right, as likely as a first draft is taken."""
         if not any(drafts) or self.always:
             return any(drafts)
         a = self.acceptance
-        expected = sum(a.expected(r.uid, len(d)) for r, d in zip(reqs, drafts))
+        lead = leads or [None] * len(reqs)
+        sure = sum(a.expected(r.uid, len(d)) for r, d in zip(reqs, drafts))
+        expected = sum(
+            a.expected(r.uid, len(d)) * (a.rate(r.uid) if g is not None else 1.0)
+            for r, d, g in zip(reqs, drafts, lead)
+        )
         if self.together and len(reqs) > 1 and not self.scheduler.prefill.has_work:
-            gain = (len(reqs) * a.last_sooner(reqs, drafts) + expected) / 2
+            last = a.last_sooner(reqs, drafts) * (expected / sure if sure else 1.0)
+            gain = (len(reqs) * last + expected) / 2
             guessed = any(d and a.guessed(r.uid) for r, d in zip(reqs, drafts))
             if guessed or not self.costs.measured(len(reqs)):  # learned by verifying
                 gain = max(gain, expected)
@@ -234,13 +285,17 @@ class Speculator:
         return False
 
     def _draft(
-        self, reqs: list[Req], pending: list[list[int]] | None = None
-    ) -> tuple[list[list[int]], list[int], list[int | None]]:
+        self,
+        reqs: list[Req],
+        pending: list[list[int]] | None = None,
+        lead: list[int] | None = None,
+    ) -> tuple[list[list[int]], list[int], list[int | None], list[int | None]]:
         """Each request's drafts, how many it asked for, and where verifies may go ahead, the
         token after its drafts (one more drafted, or the last of fewer: the guess of the
         token its verify makes): as many as its acceptance earns, fewer near its length
         limit, none while it is switched off or with penalties (they change with every
-        token: see verify.py).
+        token: see verify.py). Last, with `lead`, each request's guess of the token of the
+        plain step in flight, which its drafts follow (`_behind`; None where there is none).
         `pending`: tokens each request is assumed to have after its own (a verify's drafts
         and guess in flight)."""
         a = self.acceptance
@@ -251,13 +306,10 @@ class Speculator:
             else 0
             for r in reqs
         ]
+        asked = [k + 1 if k and self.ahead_on else k for k in ks]
+        longer, leads = self._propose(reqs, asked, pending, lead)
         if not self.ahead_on:
-            return self.drafter.propose(reqs, ks), ks, [None] * len(reqs)
-        asked = [k + 1 if k else 0 for k in ks]
-        if pending is None:
-            longer = self.drafter.propose(reqs, asked)
-        else:
-            longer = self.drafter.propose(reqs, asked, pending)  # type: ignore[call-arg]
+            return longer, ks, [None] * len(reqs), leads
         drafts: list[list[int]] = []
         guesses: list[int | None] = []
         likely = self._likely(reqs)  # else a draft given up for a guess is lost
@@ -271,7 +323,26 @@ class Speculator:
             else:
                 drafts.append(d)
                 guesses.append(None)
-        return drafts, ks, guesses
+        return drafts, ks, guesses, leads
+
+    def _propose(
+        self,
+        reqs: list[Req],
+        asked: list[int],
+        pending: list[list[int]] | None,
+        lead: list[int] | None,
+    ) -> tuple[list[list[int]], list[int | None]]:
+        """The drafter's tokens, and the guesses of the plain step's token in flight: where
+        `lead` says a request lacks it, one token more is asked for and the first taken off."""
+        none: list[int | None] = [None] * len(reqs)
+        if pending is not None:
+            return self.drafter.propose(reqs, asked, pending), none  # type: ignore[call-arg]
+        if lead is None:
+            return self.drafter.propose(reqs, asked), none
+        got = self.drafter.propose(reqs, [k + n if k else 0 for k, n in zip(asked, lead)])
+        drafts = [d[n:] if len(d) > n else [] for d, n in zip(got, lead)]
+        leads = [d[0] if n and len(d) > n else None for d, n in zip(got, lead)]
+        return drafts, leads
 
     def rate(self, uid: int) -> float:
         """The share of a request's drafts accepted so far (a fresh request starts at 0.8)."""
@@ -297,16 +368,39 @@ class Speculator:
         return drafts
 
     def _verify(
-        self, reqs: list[Req], drafts: list[list[int]], guesses: list[int | None]
+        self,
+        reqs: list[Req],
+        drafts: list[list[int]],
+        guesses: list[int | None],
+        leads: list[int | None] | None = None,
     ) -> list[TokenMsg]:
         """A verify step: launched, then either its tokens read back now, or, where every
         request has a guess of its token and the batch's drafts and guesses are likely to
-        hold, left in flight for the next step to launch the next verify on top of it."""
-        ahead = self._launch(reqs, drafts, guesses)
-        if self.ahead_on and self._goes_ahead(reqs, guesses):
+        hold, left in flight for the next step to launch the next verify on top of it.
+        With `leads` it was launched behind the plain step in flight, whose tokens are read
+        while it runs; it goes ahead only where every guess of them held."""
+        ahead = self._launch(reqs, drafts, guesses, leads=leads)
+        messages: list[TokenMsg] = []
+        held = True
+        if leads is not None:
+            self.num_behind += 1
+            messages = self.scheduler.drain()  # the step before: its tokens are in now
+            missed = sum(self._lead_held(ahead, i) is False for i in range(len(reqs)))
+            self.num_behind_missed += missed
+            held = missed == 0
+        if held and self.ahead_on and self._goes_ahead(reqs, guesses):
             self._hand_over(ahead)
-            return []
-        return self._finish(ahead)
+            return messages
+        return messages + self._finish(ahead)
+
+    @staticmethod
+    def _lead_held(ahead: Ahead, i: int) -> bool | None:
+        """Whether row i's drafts followed the plain step's token they assumed (None: they
+        assumed none, or there are no drafts). Read once that step's tokens are emitted."""
+        lead = ahead.leads[i] if ahead.leads else None
+        if lead is None or not ahead.drafts[i]:
+            return None
+        return int(ahead.reqs[i].input_ids[ahead.base[i]]) == lead
 
     def _goes_ahead(self, reqs: list[Req], guesses: list[int | None]) -> bool:
         return all(g is not None for g in guesses) and self._likely(reqs)
@@ -342,7 +436,7 @@ class Speculator:
         for req in reqs:  # its drafts in the cache, its guess the last token
             req.cached_len, req.device_len = req.device_len, req.device_len + 1
         pending = [d + [g] for d, g in zip(before.drafts, before.guesses)]  # type: ignore[list-item]
-        drafts, _, guesses = self._draft(reqs, pending)
+        drafts, _, guesses, _ = self._draft(reqs, pending)
         fitted = None
         if all(r.device_len <= r.max_device_len for r in reqs):
             fitted = self._fit(drafts, reqs, guesses)
@@ -372,6 +466,7 @@ class Speculator:
         drafts: list[list[int]],
         guesses: list[int | None],
         before: Ahead | None = None,
+        leads: list[int | None] | None = None,
     ) -> Ahead:
         s = self.scheduler
         engine, pool = s.engine, s.engine.token_pool
@@ -390,7 +485,7 @@ class Speculator:
         if out.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return Ahead(reqs, drafts, guesses, base, out, host, done)
+        return Ahead(reqs, drafts, guesses, base, out, host, done, leads=leads or [])
 
     def _place(self, reqs: list[Req], drafts: list[list[int]], before: Ahead | None) -> VerifyRows:
         """The drafts into the token pool, after each request's last token (and for a
@@ -447,7 +542,7 @@ class Speculator:
         for i, (req, draft, n, token) in enumerate(zip(ahead.reqs, ahead.drafts, accepted, final)):
             if i in ahead.dead or s.reqs.get(req.uid) is not req:
                 continue
-            self._count(req.uid, n, len(draft))
+            self._count(req.uid, n, len(draft), self._lead_held(ahead, i))
             held = n == len(draft) and token == ahead.guesses[i]
             if ahead.guesses[i] is not None:
                 self.acceptance.record_guess(req.uid, held)
@@ -466,10 +561,16 @@ class Speculator:
             self.drafter.retain(set(s.reqs))
         return messages
 
-    def _count(self, uid: int, accepted: int, drafted: int) -> None:
+    def _count(self, uid: int, accepted: int, drafted: int, lead: bool | None = None) -> None:
+        """A verify's drafts for one request, counted. `lead`: whether the token its drafts
+        assumed the plain step before would make was made, which is a draft taken or not:
+        where it was not, the drafts after it say nothing of the drafter."""
         self.num_steps += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
         if drafted:
-            self.acceptance.record(uid, accepted, drafted)
             self.accepted_lengths[accepted] += 1
+        if lead is False:
+            self.acceptance.record(uid, 0, 1)
+        elif drafted:
+            self.acceptance.record(uid, accepted + int(bool(lead)), drafted + int(bool(lead)))

@@ -17,8 +17,11 @@
 #        drafts, each against speculation off in one engine, warmed, runs alternating; with
 #        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8;
 #        then suffix drafts again with verifies launched ahead off (MINISGL_SPECULATIVE_AHEAD).
-#        HELDOUT_RUNS ("ngram:on suffix:on suffix:off", mode:ahead) and HELDOUT_BATCHES
-#        (1,4,8) pick fewer, for a call with little time.
+#        HELDOUT_RUNS ("ngram:on suffix:on suffix:off", mode:ahead[:behind], behind on unless
+#        given: MINISGL_SPECULATIVE_BEHIND) and HELDOUT_BATCHES (1,4,8) pick others or fewer.
+# behind: a verify among decode steps, the pipeline drained before it against the verify
+#        launched behind the plain step in flight (MINISGL_SPECULATIVE_BEHIND off / on), at
+#        8 drafts, batch 1 and 4, fresh engines alternated (bench_verify_cost.py --variants).
 #
 # gemv-rows: verifies of 4 and 8 drafts at batch 1 and 4 with the GEMV allowed up to 16 rows
 #        (MINISGL_GEMV_MAX_ROWS=16: chapter 20's GEMV or the tensor cores' kernels/gemv_mma.py
@@ -74,14 +77,23 @@ if [[ $STAGES == *curve-8b* ]]; then
       --tokenizer-from "$TOK" --device cuda 2>&1 | tail -1 | log
   cost "$BIG" qwen3_8b
 fi
+if [[ $STAGES == *behind* ]] && smol; then
+  echo "== a verify among decode steps: drained first against launched behind" | log
+  # shellcheck disable=SC2086
+  timeout 300 python3 tools/bench_verify_cost.py --model "$SMOL" --ks 8 --batches 1,4 \
+      --input-len 128 --rounds 2 --variants "drain:SPECULATIVE_BEHIND=off;behind:SPECULATIVE_BEHIND=on" \
+      --output-json "$OUT/behind.json" $COST_ARGS 2>&1 | grep -v -E "^\[|it/s|USDT" | log
+fi
 if [[ $STAGES == *heldout* ]] && smol; then
   for run in ${HELDOUT_RUNS:-ngram:on suffix:on suffix:off}; do
-    mode=${run%:*} ahead=${run#*:}
-    echo "== held-out sets, $mode against off, verifies ahead $ahead" | log
+    IFS=: read -r mode ahead behind <<< "$run"
+    behind=${behind:-on}
+    echo "== held-out sets, $mode against off, verifies ahead $ahead, behind $behind" | log
     # shellcheck disable=SC2086
-    MINISGL_SPECULATIVE_AHEAD=$ahead timeout 270 python3 tools/bench_speculative.py \
-        --model "$SMOL" --speculative "$mode" --sets heldout --batches "${HELDOUT_BATCHES:-1,4,8}" --pairs "$PAIRS" \
-        --output-json "$OUT/heldout_${mode}_$ahead.json" $SPEC_ARGS 2>&1 \
+    MINISGL_SPECULATIVE_AHEAD=$ahead MINISGL_SPECULATIVE_BEHIND=$behind timeout 270 python3 \
+        tools/bench_speculative.py --model "$SMOL" --speculative "$mode" --sets heldout \
+        --batches "${HELDOUT_BATCHES:-1,4,8}" --pairs "$PAIRS" \
+        --output-json "$OUT/heldout_${mode}_${ahead}_$behind.json" $SPEC_ARGS 2>&1 \
         | grep -E "^\||alternating|Error|error" | log
   done
 fi
