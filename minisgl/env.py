@@ -74,9 +74,9 @@ class _Env:
         # all be taken is followed at once by the next one, launched before its tokens are
         # read (speculative/step.py); off: every verify waits for its tokens
         self.SPECULATIVE_AHEAD = EnvVar.read("SPECULATIVE_AHEAD", "on", choices=("on", "off"))
-        # a verify launched behind the plain step in flight, its drafts after that step's
-        # token as guessed; off: the plain step is drained first and the drafts made after it
-        self.SPECULATIVE_BEHIND = EnvVar.read("SPECULATIVE_BEHIND", "on", choices=("on", "off"))
+        # on: a verify launched behind the plain step in flight, its drafts after a guess of
+        # that step's token; off (until a GPU has timed both): that step drained first
+        self.SPECULATIVE_BEHIND = EnvVar.read("SPECULATIVE_BEHIND", "off", choices=("on", "off"))
         # from here the GEMV takes up to 16 rows (a verify of up to 15 drafts, small batches)
         # where the start-up measurement finds it faster (kernels/gemv_mma.py)
         self.GEMV_MAX_ROWS = EnvVar.read("GEMV_MAX_ROWS", 16)

@@ -339,6 +339,7 @@ def test_verifies_behind_plain_steps_give_the_plain_tokens(folders, plain, monke
     """Overlap on, E2B's window of 8 freeing pages: verifies launched behind the plain step
     in flight, some of their guesses of its token wrong."""
     monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(ENV.SPECULATIVE_BEHIND, "value", "on")
     monkeypatch.setattr(NgramDrafter, "propose", behind_oracle(SPEC_PROMPTS, plain["e2b"], VOCAB))
     (got,), llm = serve(folders["e2b"], SPEC_PROMPTS, speculative="ngram", cuda_graph_max_bs=4,
                         **SPEC)  # fmt: skip

@@ -95,6 +95,7 @@ def test_verifies_behind_plain_steps_give_the_plain_tokens(model, plain, monkeyp
     step leaves, and where its guess of that step's token was wrong keeps the state after
     the one token it makes."""
     monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
+    monkeypatch.setattr(ENV.SPECULATIVE_BEHIND, "value", "on")
     monkeypatch.setattr(NgramDrafter, "propose", behind_oracle(PROMPTS, plain, VOCAB))
     got, llm = generate(model, speculative="ngram", **SPEC)
     spec = llm.scheduler.spec

@@ -17,7 +17,7 @@
 #        drafts, each against speculation off in one engine, warmed, runs alternating; with
 #        the default --speculative-max-bs (8), so the measured costs decide at batch 4 and 8;
 #        then suffix drafts again with verifies launched ahead off (MINISGL_SPECULATIVE_AHEAD).
-#        HELDOUT_RUNS ("ngram:on suffix:on suffix:off", mode:ahead[:behind], behind on unless
+#        HELDOUT_RUNS ("ngram:on suffix:on suffix:off", mode:ahead[:behind], behind off unless
 #        given: MINISGL_SPECULATIVE_BEHIND) and HELDOUT_BATCHES (1,4,8) pick others or fewer.
 # behind: a verify among decode steps, the pipeline drained before it against the verify
 #        launched behind the plain step in flight (MINISGL_SPECULATIVE_BEHIND off / on), at
@@ -87,7 +87,7 @@ fi
 if [[ $STAGES == *heldout* ]] && smol; then
   for run in ${HELDOUT_RUNS:-ngram:on suffix:on suffix:off}; do
     IFS=: read -r mode ahead behind <<< "$run"
-    behind=${behind:-on}
+    behind=${behind:-off}
     echo "== held-out sets, $mode against off, verifies ahead $ahead, behind $behind" | log
     # shellcheck disable=SC2086
     MINISGL_SPECULATIVE_AHEAD=$ahead MINISGL_SPECULATIVE_BEHIND=$behind timeout 270 python3 \
