@@ -41,6 +41,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 from common import add_engine_args, engine_kwargs, parse, sync
 
@@ -116,8 +117,11 @@ def run(llm: object, prompts: list[list[int]], params: object, one_at_a_time: bo
 
 
 def counters(spec: object, replays: list[str]) -> tuple[int, ...]:
-    s = spec
-    return (s.num_accepted, s.num_steps, s.num_forwards, replays.count("verify"))  # type: ignore[attr-defined]
+    """Drafts accepted, requests verified, verify forwards, their graph replays; verifies
+    launched ahead and behind a plain step, the latter's rows whose guess missed, drains."""
+    s: Any = spec
+    return (s.num_accepted, s.num_steps, s.num_forwards, replays.count("verify"), s.num_ahead,
+            s.num_behind, s.num_behind_missed, s.num_drained)  # fmt: skip
 
 
 def agreement(runs: list[list[list[int]]], reference: list[list[int]]) -> int | None:
@@ -159,13 +163,18 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
             tok_s[side].append(sum(len(o) for o in out) / seconds)
             outputs[side].append(out)
     runner.replay = replay
-    accepted, verifies, forwards, graphs = (a - b for a, b in zip(counters(spec, replays), before))
+    counts = [a - b for a, b in zip(counters(spec, replays), before)]
+    accepted, verifies, forwards, graphs, ahead, behind, missed, drained = counts
     reference = outputs["off"][0]
     return {
         "tok_s": tok_s,
         "accepted_per_verify": accepted / max(verifies, 1),
         "verify_forwards": forwards,
         "verify_graph_share": graphs / max(forwards, 1),
+        "verifies_ahead": ahead,
+        "verifies_behind": behind,
+        "behind_rows_missed": missed,
+        "drains": drained,
         "off_runs_agree": agreement(outputs["off"], reference) is None,
         "first_difference": agreement(outputs["on"], reference),
     }
@@ -235,7 +244,7 @@ def modelled(
         steps.clear()
         before = counters(spec, [])
         out, _ = run(llm, prompts, params, alone)
-        accepted, verifies, forwards, _ = (a - b for a, b in zip(counters(spec, []), before))
+        accepted, verifies, forwards = (a - b for a, b in zip(counters(spec, [])[:3], before))
         clock, done = 0.0, {}  # each request's last step's end: when it finished
         for bs, verified, uids in steps:
             clock += cost_at(costs, bs)[verified]
