@@ -277,8 +277,8 @@ def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch
     """With overlap, the drafter here proposes a wrong token from the stale text (an even
     length) and nothing from the fresh (odd): every drain ends in a plain step. Counted as
     misses, they switch the request off; the tokens stay plain decoding's. Launched behind
-    the plain step instead, each verify's guess of that step's token is wrong: counted as a
-    draft rejected, they switch it off as soon."""
+    the plain step instead, each verify's guess of that step's token is wrong: the share of
+    its guesses that held falls, and verifies behind plain steps stop paying as soon."""
     from minisgl.env import ENV
 
     monkeypatch.setattr(ENV.SPECULATIVE_BEHIND, "value", behind)
@@ -313,7 +313,7 @@ def test_drains_for_drafts_that_come_to_nothing_reach_the_switch_off(monkeypatch
         assert spec.num_forwards == 0  # never a verify: every drain came to nothing
         assert ("drained", 1) in spec.costs.seen
     else:
-        assert spec.num_forwards == spec.num_behind == spec.num_behind_missed > 0
+        assert spec.num_behind == spec.num_behind_missed > 0, (spec.num_forwards, asked)
     # Without the misses the request drafts at every other step, 24 times in 48 tokens.
     assert 1 <= len(asked) <= 6, asked
 

@@ -44,6 +44,7 @@ class Record:
     backoff: int = BACKOFF
     need: float = 0.0  # the gain its last drafts had to bring: r - 1 then
     held: float = AHEAD  # how often its drafts and the guess after them all held
+    lead: float = FRESH[0] / sum(FRESH)  # how often its guess of a plain step's token held
     verified: int = 0  # verifies since its count was last fresh: 0, its rate is a guess
 
 
@@ -107,6 +108,18 @@ class Acceptance:
     def record_guess(self, uid: int, held: bool) -> None:
         r = self.records.setdefault(uid, Record())
         r.held = DECAY * r.held + (1 - DECAY) * held
+
+    def lead(self, uid: int) -> float:
+        """The share of the request's recent guesses of the token of the plain step in flight
+        (a verify launched behind it, step.py) that held. Apart from its rate: a plain step
+        comes where the drafts stopped, and there the next token is harder to guess than
+        a copy's next one."""
+        r = self.records.get(uid)
+        return r.lead if r else FRESH[0] / sum(FRESH)
+
+    def record_lead(self, uid: int, held: bool) -> None:
+        r = self.records.setdefault(uid, Record())
+        r.lead = DECAY * r.lead + (1 - DECAY) * held
 
     def guessed(self, uid: int) -> bool:
         """Whether the request's rate is still the guess of a fresh count: it has not

@@ -230,14 +230,14 @@ class Speculator:
         gain the sum's. The step takes the midpoint, and the sum while a request's rate or
         the batch size's verify cost is still a guess: they are learned only by verifying.
         `leads`: drafts made after a guess of the plain step's token in flight (`_behind`)
-        count only if it is right, as likely as a first draft is taken."""
+        count only if it is right, as often as the request's guesses of it were."""
         if not any(drafts) or self.always:
             return any(drafts)
         a = self.acceptance
         lead = leads or [None] * len(reqs)
         sure = sum(a.expected(r.uid, len(d)) for r, d in zip(reqs, drafts))
         expected = sum(
-            a.expected(r.uid, len(d)) * (a.rate(r.uid) if g is not None else 1.0)
+            a.expected(r.uid, len(d)) * (a.lead(r.uid) if g is not None else 1.0)
             for r, d, g in zip(reqs, drafts, lead)
         )
         if self.together and len(reqs) > 1 and not self.scheduler.prefill.has_work:
@@ -563,14 +563,15 @@ class Speculator:
 
     def _count(self, uid: int, accepted: int, drafted: int, lead: bool | None = None) -> None:
         """A verify's drafts for one request, counted. `lead`: whether the token its drafts
-        assumed the plain step before would make was made, which is a draft taken or not:
-        where it was not, the drafts after it say nothing of the drafter."""
+        assumed the plain step before would make was made (its own share); where it was
+        not, the drafts after it were checked against another token and say nothing of
+        the drafter."""
         self.num_steps += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
         if drafted:
             self.accepted_lengths[accepted] += 1
-        if lead is False:
-            self.acceptance.record(uid, 0, 1)
-        elif drafted:
-            self.acceptance.record(uid, accepted + int(bool(lead)), drafted + int(bool(lead)))
+        if lead is not None:
+            self.acceptance.record_lead(uid, lead)
+        if drafted and lead is not False:
+            self.acceptance.record(uid, accepted, drafted)
