@@ -151,13 +151,15 @@ class Speculator:
 
     def _try(self, batch: Batch) -> list[TokenMsg] | None:
         s = self.scheduler
-        lead = self._behind(batch.reqs)
-        drafts, _, guesses, leads = self._draft(batch.reqs, lead=lead)
-        if lead is not None:  # behind the plain step in flight, or a plain step after it
+        if (lead := self._behind(batch.reqs)) is not None:  # behind the plain step in flight
+            drafts, _, guesses, leads = self._draft(batch.reqs, lead=lead)
             fitted = self._fit(drafts, batch.reqs, guesses)
-            if fitted is None or not self._pays(batch.reqs, fitted, leads):
+            if fitted is None:  # no room: a plain step on top
                 return None
-            return self._verify(batch.reqs, fitted, guesses, leads)
+            if self._pays(batch.reqs, fitted, leads):
+                return self._verify(batch.reqs, fitted, guesses, leads)
+        # Not behind it (its guesses hold too rarely to pay): drained first, as below.
+        drafts, _, guesses, _ = self._draft(batch.reqs)
         if not self._pays(batch.reqs, drafts):
             return None
         messages: list[TokenMsg] = []
