@@ -460,28 +460,50 @@ def oracle_drafter(prompts: list[list[int]], want: list[list[int]], vocab: int =
     return lambda self, reqs, ks: [draft(r, k) if k > 0 else [] for r, k in zip(reqs, ks)]
 
 
-def behind_oracle(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
-    """Drafts from a plain run's own output after the host's tokens (and any pending ones),
-    up to k: none every fourth token, so plain steps come between verifies and the next
-    verify may be launched behind one; every third the first one wrong, which is, behind a
-    plain step, the guess of that step's token."""
+def pending_oracle(prompts: list[list[int]], want: list[list[int]], spoil):
+    """Drafts from a plain run's own output after the host's tokens and any pending ones (a
+    verify's in flight), up to k, passed through `spoil(done, tokens)` to make some wrong."""
 
     def draft(req: Req, k: int, pending: list[int]) -> list[int]:
         ids = req.input_ids.tolist() + pending
         i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
         done = len(ids) - len(prompts[i])
-        if done % 4 == 3:
-            return []
-        tokens = want[i][done : done + k]
-        if done % 3 == 0 and tokens:
-            tokens[0] = (tokens[0] + 1) % vocab
-        return tokens
+        return spoil(done, want[i][done : done + k])
 
     def propose(self, reqs, ks, pending=None):
         extra = pending or [[] for _ in reqs]
         return [draft(r, k, p) if k > 0 else [] for r, k, p in zip(reqs, ks, extra)]
 
     return propose
+
+
+def ahead_oracle(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
+    """Now and then the last draft (a verify's guess of its own token, where verifies go
+    ahead) wrong, and now and then the second."""
+
+    def spoil(done: int, tokens: list[int]) -> list[int]:
+        if done % 4 == 1 and tokens:
+            tokens[-1] = (tokens[-1] + 1) % vocab
+        if done % 5 == 2 and len(tokens) > 2:
+            tokens[1] = (tokens[1] + 1) % vocab
+        return tokens
+
+    return pending_oracle(prompts, want, spoil)
+
+
+def behind_oracle(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
+    """No drafts every fourth token, so plain steps come between verifies and the next verify
+    may be launched behind one; every third the first one wrong, which is, behind a plain
+    step, the guess of that step's token."""
+
+    def spoil(done: int, tokens: list[int]) -> list[int]:
+        if done % 4 == 3:
+            return []
+        if done % 3 == 0 and tokens:
+            tokens[0] = (tokens[0] + 1) % vocab
+        return tokens
+
+    return pending_oracle(prompts, want, spoil)
 
 
 # <<< ch26

@@ -18,7 +18,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from helpers import CPU, SMOL, TINY, behind_oracle, need, oracle_drafter, serving
+from helpers import CPU, SMOL, TINY, ahead_oracle, behind_oracle, need, oracle_drafter, serving
 
 from minisgl.core import Req, SamplingParams
 from minisgl.engine.verify_graph import verify_token_tiers
@@ -370,27 +370,18 @@ def test_with_overlap_scheduling_plain_steps_overlap_and_verify_steps_drain(monk
     assert overlap and got == want and spec.num_accepted > 0
 
 
-def ahead_oracle(prompts: list[list[int]], want: list[list[int]], vocab: int = 1000):
-    """Drafts from a plain run's own output, after the pending tokens of a verify in flight:
-    up to k, a wrong one now and then, and now and then the last one (a verify's guess of
-    its own token, where verifies go ahead) wrong."""
-
-    def draft(req: Req, k: int, pending: list[int]) -> list[int]:
-        ids = req.input_ids.tolist() + pending
-        i = next(i for i, p in enumerate(prompts) if ids[: len(p)] == p)
-        done = len(ids) - len(prompts[i])
-        tokens = want[i][done : done + k]
-        if done % 4 == 1 and tokens:
-            tokens[-1] = (tokens[-1] + 1) % vocab
-        if done % 5 == 2 and len(tokens) > 2:
-            tokens[1] = (tokens[1] + 1) % vocab
-        return tokens
-
-    def propose(self, reqs, ks, pending=None):
-        extra = pending or [[] for _ in reqs]
-        return [draft(r, k, p) if k > 0 else [] for r, k, p in zip(reqs, ks, extra)]
-
-    return propose
+def stop_inside_a_run() -> tuple[list, list, list, dict]:
+    """Four requests on a pool of 5 pages (so some are preempted), the third stopped by a
+    token inside what verifies will accept; and their plain output."""
+    prompts = tiny_prompts(7)
+    params = [SamplingParams(max_tokens=14 + 4 * i, ignore_eos=True) for i in range(4)]
+    kw = dict(page_size=16, num_page_override=5, max_prefill_length=12)
+    want, llm = generate(TINY["qwen3"], prompts, params, **kw)
+    llm.shutdown()
+    stop = want[2][9]
+    params[2] = SamplingParams(max_tokens=22, ignore_eos=True, stop_token_ids=[stop])
+    want[2] = want[2][: want[2].index(stop) + 1]
+    return prompts, params, want, kw
 
 
 @pytest.mark.parametrize("kernel", [False, pytest.param(True, marks=KERNELS)])
@@ -403,14 +394,7 @@ def test_verifies_launched_ahead_give_the_plain_tokens(monkeypatch, kernel) -> N
     from minisgl.env import ENV
     from minisgl.kernels.accept import accept_greedy
 
-    prompts = tiny_prompts(7)
-    params = [SamplingParams(max_tokens=14 + 4 * i, ignore_eos=True) for i in range(4)]
-    kw = dict(page_size=16, num_page_override=5, max_prefill_length=12)
-    want, llm = generate(TINY["qwen3"], prompts, params, **kw)
-    llm.shutdown()
-    stop = want[2][9]
-    params[2] = SamplingParams(max_tokens=22, ignore_eos=True, stop_token_ids=[stop])
-    want[2] = want[2][: want[2].index(stop) + 1]
+    prompts, params, want, kw = stop_inside_a_run()
     if kernel:
         monkeypatch.setattr("minisgl.layers.triton_ops.triton_accept", lambda _: accept_greedy)
     monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
@@ -433,14 +417,7 @@ def test_verifies_launched_behind_plain_steps_give_the_plain_tokens(monkeypatch,
     run with verifies after draining, the pipeline is drained for no more steps."""
     from minisgl.env import ENV
 
-    prompts = tiny_prompts(7)
-    params = [SamplingParams(max_tokens=14 + 4 * i, ignore_eos=True) for i in range(4)]
-    kw = dict(page_size=16, num_page_override=5, max_prefill_length=12)
-    want, llm = generate(TINY["qwen3"], prompts, params, **kw)
-    llm.shutdown()
-    stop = want[2][9]
-    params[2] = SamplingParams(max_tokens=22, ignore_eos=True, stop_token_ids=[stop])
-    want[2] = want[2][: want[2].index(stop) + 1]
+    prompts, params, want, kw = stop_inside_a_run()
     monkeypatch.setattr(ENV.DISABLE_OVERLAP_SCHEDULING, "value", False)
     monkeypatch.setattr(ENV.SPECULATIVE_AHEAD, "value", ahead)
     monkeypatch.setattr(NgramDrafter, "propose", behind_oracle(prompts, want))
