@@ -231,10 +231,15 @@ def half_right(want: list[list[int]]):
     return propose
 
 
-def run(monkeypatch: pytest.MonkeyPatch, verify_cost: float, want: list[list[int]]) -> tuple:
+def run(
+    monkeypatch: pytest.MonkeyPatch,
+    verify_cost: float,
+    want: list[list[int]],
+    spikes: dict[int, float] | None = None,
+) -> tuple:
     """Greedy tokens of the four prompts as one batch, with drafts one of which is taken
     per verify and the speculator's clock simulated: a plain step costs 1, a verify step
-    `verify_cost`."""
+    `verify_cost` (the n-th, counted from 1, `spikes[n]` where given)."""
     monkeypatch.setattr(NgramDrafter, "propose", half_right(want))
     clock = [0.0]
     fake = type("Clock", (), {"perf_counter": staticmethod(lambda: clock[0])})
@@ -246,7 +251,9 @@ def run(monkeypatch: pytest.MonkeyPatch, verify_cost: float, want: list[list[int
     def timed() -> list:
         forwards = spec.num_forwards
         out = step()
-        clock[0] += verify_cost if spec.num_forwards > forwards else 1.0
+        verified = spec.num_forwards > forwards
+        cost = (spikes or {}).get(spec.num_forwards, verify_cost) if verified else 1.0
+        clock[0] += cost
         return out
 
     sched.step = timed
@@ -270,6 +277,39 @@ def test_a_batch_of_four_speculates_where_it_pays_and_stops_where_it_does_not(mo
     assert cheap.num_forwards >= 14  # 2 tokens each: at most 20 in 40 tokens
     assert dear.num_forwards <= 4  # the two that measure, and the prior's first
     assert cheap.num_accepted == cheap.num_steps  # one draft taken per request and verify
+
+
+def test_a_verify_slowed_once_by_a_kernel_build_does_not_switch_speculation_off_for_good(
+    monkeypatch,
+) -> None:
+    """The first verify whose cost counts waits for a kernel build (a fresh machine's): it
+    costs a thousand plain steps, and with that no request proposes drafts, so no declined
+    verify could measure again. EXPIRE plain steps later the cost is forgotten, and the
+    verifies that pay come back; the tokens are plain decoding's throughout."""
+    llm = LLM(str(need(TINY["llama"])), **KW)
+    want = [o["token_ids"] for o in llm.generate(prompts(), PARAMS, use_tqdm=False)]
+    llm.shutdown()
+    monkeypatch.setattr(cost_module, "EXPIRE", 8)  # 256 on an engine: tokens enough here
+    out, spec = run(monkeypatch, 1.2, want, spikes={2: 1000.0})
+    assert out == want
+    assert spec.costs.ratio(4) == pytest.approx(1.2)  # measured again, without the build
+    assert spec.num_forwards >= 8, spec.num_forwards  # (2 where the cost never went)
+
+
+def test_a_verify_cost_that_many_plain_steps_have_passed_is_forgotten() -> None:
+    costs, t = StepCosts(), 0.0
+    for kind, seconds in [("plain", 1.0)] * 2 + [("verify", 2.0), ("verify", 900.0)]:
+        costs.start(kind, 1, now=t)  # a warm-up of each kind, then a verify during a build
+        t += seconds
+    ratios = []
+    for _ in range(cost_module.REFILL + 1 + cost_module.EXPIRE):
+        costs.start("plain", 1, now=t)
+        t += 1.0
+        ratios.append(costs.ratio(1))
+    # charged once the pipeline refilled; forgotten at the EXPIRE-th plain step after
+    assert ratios[: cost_module.REFILL] == [PRIOR] * cost_module.REFILL
+    assert min(ratios[cost_module.REFILL : -1]) == pytest.approx(900.0)
+    assert ratios[-1] == PRIOR and costs.measured(1) is False
 
 
 @pytest.mark.parametrize("behind", ["off", "on"])

@@ -155,6 +155,7 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
             spec.drafter = SuffixDrafter(depth=depth)
         return run(llm, prompts, params, alone)
 
+    start = counters(spec, replays)
     one("off"), one("on")  # the warm-up: every shape either side meets
     before = counters(spec, replays)
     for _ in range(pairs):
@@ -175,6 +176,11 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
         "verifies_behind": behind,
         "behind_rows_missed": missed,
         "drains": drained,
+        "warm_up_verifies": before[2] - start[2],
+        # what the scheduler decided with at the end (ms): "plain@1", "verify@1", ...
+        "step_costs_ms": {
+            f"{k}@{b}": round(v * 1e3, 3) for (k, b), v in spec.costs.seconds.items()
+        },
         "off_runs_agree": agreement(outputs["off"], reference) is None,
         "first_difference": agreement(outputs["on"], reference),
     }

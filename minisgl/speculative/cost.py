@@ -26,6 +26,14 @@ measurements follow the workload: a bucket where verifying stopped paying verifi
 after RETRY declined batches, and one that verified REMEASURE times since its plain cost
 was last measured (or has none) takes plain steps until it is: REFILL + 1 in a row, since
 the ones that refill the pipeline are not a plain step's cost.
+
+A measurement can be wrong: a verify that waited for a kernel to be built, on a machine
+whose compile caches are empty, costs a thousand plain steps. Later outliers are not
+counted (WAIT), but the first counted verify has no average to be compared with; and with
+a cost that high no request proposes drafts at all (acceptance.py), so no declined verify
+ever reaches RETRY and the cost would never be measured again. So a bucket's verify cost
+that EXPIRE plain steps have passed without a verify is forgotten: the prior decides
+again, and the next verify measures anew (where verifies do not pay, one in EXPIRE steps).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ REMEASURE = 256  # verify steps in a bucket before plain steps are taken, to mea
 WEIGHT = 0.2  # of the newest cost in the moving average
 REFILL = 2  # plain steps after a verify whose difference from a plain step is the verify's
 WAIT = 4.0  # an interval this many times its kind's average: the scheduler waited for work
+EXPIRE = 4 * RETRY  # plain steps in a bucket with no verify, after which its verify cost goes
 
 
 # Under tensor parallelism every rank must take the same steps (scheduler/ranks.py), and
@@ -87,6 +96,7 @@ class StepCosts:
         self.declined: dict[int, int] = {}  # by bucket: verify steps declined since the last
         self.wasted: dict[int, float] = {}  # by bucket: drains that verified nothing
         self.since_plain: dict[int, int] = {}  # by bucket: verifies since a plain cost
+        self.since_verify: dict[int, int] = {}  # by bucket: plain steps since a verify cost
         self._open: tuple[str, int, float] | None = None  # the step running: kind, bucket, start
         self._charge: Charge | None = None
 
@@ -132,6 +142,9 @@ class StepCosts:
         else:
             self.seconds[("plain", b)] = spent if plain is None else average(plain, spent)
             self.since_plain[b] = 0
+            self.since_verify[b] = self.since_verify.get(b, 0) + 1
+            if self.since_verify[b] >= EXPIRE:  # too old to go by: measured again
+                self.seconds.pop(("verify", b), None)
 
     def _commit(self) -> None:
         """The verify being charged is complete: into its bucket's average."""
@@ -139,6 +152,7 @@ class StepCosts:
         if charge is None or not charge.counts:
             return
         key, spent = ("verify", charge.bucket), max(charge.seconds, 0.0)
+        self.since_verify[charge.bucket] = 0
         old = self.seconds.get(key)
         self.seconds[key] = spent if old is None else average(old, spent)
 
