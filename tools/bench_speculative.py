@@ -136,6 +136,55 @@ def agreement(runs: list[list[list[int]]], reference: list[list[int]]) -> int | 
     return min(firsts) if firsts else None
 
 
+class trace_steps(list):
+    """The scheduler's steps as they run, each as (kind, seconds): prefill, decode, verify,
+    drained (a decode step after draining the pipeline for drafts), idle. With overlap a
+    step's seconds are its own host work and the wait for the step before it."""
+
+    def __init__(self, llm: object) -> None:
+        super().__init__()
+        sched: Any = llm.scheduler  # type: ignore[attr-defined]
+        self.sched, self.step, self.schedule = sched, sched.step, sched._schedule
+        spec, last = sched.spec, [None]
+
+        def schedule() -> object:
+            last[0] = self.schedule()
+            return last[0]
+
+        def step() -> list:
+            forwards, drained, began = spec.num_forwards, spec.num_drained, time.perf_counter()
+            last[0] = None
+            out = self.step()
+            batch: Any = last[0]
+            kind = (
+                "idle" if batch is None
+                else "prefill" if not batch.is_decode
+                else "verify" if spec.num_forwards > forwards
+                else "drained" if spec.num_drained > drained
+                else "decode"
+            )  # fmt: skip
+            self.append((kind, time.perf_counter() - began))
+            return out
+
+        sched._schedule, sched.step = schedule, step
+
+    def stop(self) -> None:
+        self.sched.step, self.sched._schedule = self.step, self.schedule
+
+
+def step_table(steps: list[tuple[str, float]]) -> dict[str, list[float]]:
+    table = {}
+    for kind in sorted({k for k, _ in steps}):
+        ms = [t * 1e3 for k, t in steps if k == kind]
+        table[kind] = [
+            len(ms),
+            round(sum(ms), 3),
+            round(statistics.median(ms), 3),
+            round(max(ms), 3),
+        ]
+    return table
+
+
 def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, pairs: int) -> dict:
     """Warm both sides on these prompts, then `pairs` timed runs of each, alternating."""
     from minisgl.speculative.suffix import SuffixDrafter
@@ -148,15 +197,21 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
     runner.replay = lambda b: (replays.append(b.phase), replay(b))[1]
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
     outputs: dict[str, list] = {"off": [], "on": []}
+    steps: dict[str, list[tuple[str, float]]] = {"off": [], "on": []}
+    record = trace_steps(llm)
 
-    def one(side: str) -> tuple[list, float]:
+    def one(side: str, timed: bool = True) -> tuple[list, float]:
         spec.enabled = side == "on"
         if mode == "suffix":  # no answers of earlier runs of these prompts
             spec.drafter = SuffixDrafter(depth=depth)
-        return run(llm, prompts, params, alone)
+        record.clear()
+        out = run(llm, prompts, params, alone)
+        if timed:
+            steps[side] += record
+        return out
 
     start = counters(spec, replays)
-    one("off"), one("on")  # the warm-up: every shape either side meets
+    one("off", False), one("on", False)  # the warm-up: every shape either side meets
     before = counters(spec, replays)
     for _ in range(pairs):
         for side in ("off", "on"):
@@ -164,6 +219,7 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
             tok_s[side].append(sum(len(o) for o in out) / seconds)
             outputs[side].append(out)
     runner.replay = replay
+    record.stop()
     counts = [a - b for a, b in zip(counters(spec, replays), before)]
     accepted, verifies, forwards, graphs, ahead, behind, missed, drained = counts
     reference = outputs["off"][0]
@@ -181,6 +237,8 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
         "step_costs_ms": {
             f"{k}@{b}": round(v * 1e3, 3) for (k, b), v in spec.costs.seconds.items()
         },
+        # the scheduler's steps of the timed runs by kind: count, ms in all, median, longest
+        "steps": {side: step_table(steps[side]) for side in steps},
         "off_runs_agree": agreement(outputs["off"], reference) is None,
         "first_difference": agreement(outputs["on"], reference),
     }
