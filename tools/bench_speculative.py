@@ -37,6 +37,7 @@ tokens). Verifies are not launched ahead (a CPU has no overlap).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -138,7 +139,8 @@ def agreement(runs: list[list[list[int]]], reference: list[list[int]]) -> int | 
 
 class trace_steps(list):
     """The scheduler's steps as they run, each as (kind, seconds): prefill, decode, verify,
-    drained (a decode step after draining the pipeline for drafts), idle. With overlap a
+    drained (a decode step after draining the pipeline for drafts), idle; and the garbage
+    collector's passes meanwhile (gc0, gc1, gc2, within the steps' time). With overlap a
     step's seconds are its own host work and the wait for the step before it."""
 
     def __init__(self, llm: object) -> None:
@@ -167,9 +169,22 @@ class trace_steps(list):
             return out
 
         sched._schedule, sched.step = schedule, step
+        self.collected: list[tuple[int, float]] = []  # the garbage collector's passes meanwhile
+        gc.callbacks.append(self._collecting)
+
+    def _collecting(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        else:
+            self.collected.append((info["generation"], time.perf_counter() - self.began))
+
+    def clear(self) -> None:
+        super().clear()
+        self.collected.clear()
 
     def stop(self) -> None:
         self.sched.step, self.sched._schedule = self.step, self.schedule
+        gc.callbacks.remove(self._collecting)
 
 
 def step_table(steps: list[tuple[str, float]]) -> dict[str, list[float]]:
@@ -208,6 +223,7 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
         out = run(llm, prompts, params, alone)
         if timed:
             steps[side] += record
+            steps[side] += [(f"gc{g}", t) for g, t in record.collected]
         return out
 
     start = counters(spec, replays)
