@@ -137,7 +137,7 @@ def agreement(runs: list[list[list[int]]], reference: list[list[int]]) -> int | 
     return min(firsts) if firsts else None
 
 
-class trace_steps(list):
+class StepTrace(list):
     """The scheduler's steps as they run, each as (kind, seconds): prefill, decode, verify,
     drained (a decode step after draining the pipeline for drafts), idle; and the garbage
     collector's passes meanwhile (gc0, gc1, gc2, within the steps' time). With overlap a
@@ -213,7 +213,7 @@ def measure(llm: object, mode: str, prompts: list, params: object, alone: bool, 
     tok_s: dict[str, list[float]] = {"off": [], "on": []}
     outputs: dict[str, list] = {"off": [], "on": []}
     steps: dict[str, list[tuple[str, float]]] = {"off": [], "on": []}
-    record = trace_steps(llm)
+    record = StepTrace(llm)
 
     def one(side: str, timed: bool = True) -> tuple[list, float]:
         spec.enabled = side == "on"
