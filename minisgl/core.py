@@ -75,6 +75,13 @@ class Req:
     def input_ids(self) -> torch.Tensor:
         return self._ids[: self._len]
 
+    # >>> ch26 a drafter reads a request's last tokens every step
+    def tokens_from(self, start: int) -> list[int]:
+        """Its tokens from `start` (negative: from the end) as a list, through numpy: a
+        tensor's slice and `tolist` cost some ten times more."""
+        return self._ids_np[: self._len][start:].tolist()
+
+    # <<< ch26
     @property
     def seq_len(self) -> int:
         """Tokens in the sequence so far: the prompt and every token appended since."""

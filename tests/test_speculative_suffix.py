@@ -95,6 +95,45 @@ def finished(uid: int, prompt: list[int], output: list[int]) -> Req:
     return req
 
 
+def test_ends_carried_a_token_a_step_find_the_match_a_search_from_the_root_finds() -> None:
+    """The drafter keeps where each request's suffixes end in both trees and moves them by
+    the tokens that came (`follow`, `extend`); the longest of them with a continuation is
+    the match a bisection over the text finds, in its own tree (which holds the text), in
+    a shared one (which does not), and past tokens not in either (pending drafts)."""
+    rng = random.Random(3)
+    shared = SuffixTree(depth=6)
+    for _ in range(8):
+        shared.extend([ROOT], [rng.randrange(5) for _ in range(30)])
+    text = [rng.randrange(5) for _ in range(60)]
+    own, ends, theirs = SuffixTree(depth=6), [ROOT], [ROOT]
+    lengths = set()
+    for i, token in enumerate(text):
+        ends, theirs = own.extend(ends, [token]), shared.follow(theirs, [token])
+        tail = text[max(0, i - 4) : i + 1]
+        assert own.longest(ends) == own.match(tail)
+        assert shared.longest(theirs) == shared.match(tail)
+        lengths.add(shared.longest(theirs)[0])
+        more = [rng.randrange(5) for _ in range(3)]
+        longer = (tail + more)[-5:]
+        assert own.longest(own.follow(ends, more)) == own.match(longer)
+        assert shared.longest(shared.follow(theirs, more)) == shared.match(longer)
+    assert {1, 2, 3, 4, 5} == lengths  # matches of every length came
+
+
+def test_a_requests_ends_in_the_shared_tree_are_found_again_after_it_changes() -> None:
+    """A request that finished changes the shared tree (its output comes in, the oldest go
+    out and their nodes are used again): the others' ends there are walked again."""
+    drafter = SuffixDrafter(shared_tokens=40)
+    req = Req(torch.tensor([1, 2, 3, 4]), 0, 0, 16, 0, SamplingParams())
+    assert drafter.propose([req], [4]) == [[]]
+    drafter.learn(finished(1, [9], [2, 3, 4, 5, 6, 7]))  # after "2 3 4": "5 6 7"
+    assert drafter.propose([req], [4]) == [[5, 6, 7]]
+    for uid in range(2, 12):  # pushes it out, reusing its nodes for other tokens
+        drafter.learn(finished(uid, [0], [20 + uid] * 8))
+    assert 1 not in drafter.outputs
+    assert drafter.propose([req], [4]) == [[]]
+
+
 def test_the_shared_tree_is_bounded_and_evicts_the_oldest_outputs() -> None:
     rng = random.Random(1)
     drafter = SuffixDrafter(shared_tokens=200)

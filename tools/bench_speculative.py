@@ -307,12 +307,16 @@ def modelled(
     try_step = spec.try_step
     steps: list[tuple[int, bool, list[int]]] = []  # decode steps: size, verified, requests
 
+    plain_host: list[float] = []  # the speculator's host time on a plain step (on side), µs
+
     def counted(batch: object) -> object:
-        forwards = spec.num_forwards
+        forwards, began = spec.num_forwards, time.perf_counter()
         out = try_step(batch)
         if batch.is_decode:  # type: ignore[attr-defined]
             uids = [r.uid for r in batch.reqs]  # type: ignore[attr-defined]
             steps.append((len(uids), spec.num_forwards > forwards, uids))
+            if spec.enabled and out is None:  # nothing run yet: its host work alone
+                plain_host.append((time.perf_counter() - began) * 1e6)
         return out
 
     spec.try_step = counted
@@ -333,6 +337,8 @@ def modelled(
         sides[side] = (out, clock, forwards, accepted / max(verifies, 1), len(steps), ends)
     spec.try_step = try_step
     off, on = sides["off"], sides["on"]
+    host = statistics.median(plain_host) if plain_host else 0.0
+    host_ms = sum(plain_host) / 1e3  # every plain step's, on the on side
     return {
         "off_ms": off[1],
         "on_ms": on[1],
@@ -342,6 +348,10 @@ def modelled(
         "verify_forwards": on[2],
         "accepted_per_verify": on[3],
         "first_difference": agreement([on[0]], off[0]),
+        "plain_host_us": host,  # this machine's, not the GPU host's: compare within a run
+        # where a step is bound by the host (a small model), its plain steps' extra host time
+        # adds to the on side's: the speed-up with it, this machine's host for the GPU's
+        "speedup_with_host": off[1] / (on[1] + host_ms),
     }
 
 
@@ -442,16 +452,18 @@ def print_modelled(results: dict, mode: str, given: str) -> None:
     print(
         f"| workload | set | off ms | {mode} ms | modelled speed-up | requests finish sooner |"
         " decode steps off / on |"
-        " verifies | accepted per verify | greedy agreement |"
+        " verifies | accepted per verify | speculator's host time a plain step |"
+        " speed-up with it | greedy agreement |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, r in results.items():
         first = r["first_difference"]
         agree = "same tokens" if first is None else f"first difference after {first} tokens"
         print(
             f"| {key} | {r['set']} | {r['off_ms']:.1f} | {r['on_ms']:.1f} | {r['speedup']:.3f}x"
             f" | {r['finish_speedup']:.3f}x | {r['steps'][0]} / {r['steps'][1]} |"
-            f" {r['verify_forwards']} | {r['accepted_per_verify']:.2f} | {agree} |"
+            f" {r['verify_forwards']} | {r['accepted_per_verify']:.2f} |"
+            f" {r['plain_host_us']:.0f} µs | {r['speedup_with_host']:.3f}x | {agree} |"
         )
 
 

@@ -69,7 +69,9 @@ class Acceptance:
     def expected(self, uid: int, drafts: int) -> float:
         """The drafts of these many that a verify is expected to accept."""
         rate = self.rate(uid)
-        return sum(rate**j for j in range(1, drafts + 1))
+        if rate >= 1.0 or drafts <= 0:
+            return float(max(drafts, 0))
+        return rate * (1 - rate**drafts) / (1 - rate)  # a + a^2 + ... + a^drafts
 
     def proposes(self, uid: int, length: int, need: float | None) -> bool:
         """Whether the request, `length` tokens long, asks for drafts this step. `need` is

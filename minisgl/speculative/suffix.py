@@ -13,8 +13,10 @@ sequences added is a path from the root, and each node counts how often its subs
 occurred. Adding a token visits at most DEPTH nodes (the ends of the suffixes that the
 token extends), so the cost per token is flat and a tree holds at most DEPTH nodes per
 token. To draft, take the longest suffix of the request's text that occurred before with
-a continuation (a binary search: a suffix that occurred followed by a token has shorter
-suffixes that did too), then follow the most frequent child, token by token. The share of
+a continuation (a suffix that occurred followed by a token has shorter suffixes that did
+too), then follow the most frequent child, token by token. The drafter keeps, for each
+request, the nodes where its text's suffixes end in both trees and moves them by the
+tokens that came, so a step finds its match without a walk from the root. The share of
 that child among its siblings estimates the chance it comes next; their product, the chance
 that the whole run so far is right. The run stops where that falls below MIN_PROB, or where
 it is as long as the match (a text that followed another for m tokens is trusted about m
@@ -59,11 +61,13 @@ class SuffixTree:
         self.counts = [0]  # occurrences of the substring each node ends
         self.unused: list[int] = []  # nodes taken out, to be used again
         self.num_nodes = 0  # below the root
+        self.version = 0  # changes whenever nodes come or go: a walk made before is stale
 
     def extend(self, ends: list[int], tokens: list[int]) -> list[int]:
         """Add tokens to a sequence. `ends[i]` is the node of its suffix of i tokens
         (`[ROOT]` for a new sequence); returns the ends after the new tokens."""
         children, counts = self.children, self.counts
+        self.version += 1
         for token in tokens:
             after = [ROOT]
             for node in ends:
@@ -80,6 +84,7 @@ class SuffixTree:
         """Take out a sequence that was added whole: every count it added, and the nodes
         only it had (their own children go in the same walk)."""
         children, counts = self.children, self.counts
+        self.version += 1
         ends = [ROOT]
         for token in tokens:
             after = [ROOT]
@@ -101,6 +106,30 @@ class SuffixTree:
         self.children.append({})
         self.counts.append(0)
         return len(self.counts) - 1
+
+    def follow(self, ends: list[int], tokens: list[int]) -> list[int]:
+        """As `extend`, for a text the tree does not hold: `ends[i]` is the node of its
+        suffix of i tokens for as long as that occurs in the tree (a suffix that does not
+        occur has no longer one that does), and no count changes."""
+        children, depth = self.children, self.depth
+        for token in tokens:
+            after = [ROOT]
+            for node in ends:
+                child = children[node].get(token)
+                if child is None or len(after) == depth:
+                    break
+                after.append(child)
+            ends = after
+        return ends
+
+    def longest(self, ends: list[int]) -> tuple[int, int]:
+        """`match` for a text whose suffixes' nodes are `ends` (as `extend` and `follow`
+        keep them): the longest that has a continuation, found without a walk."""
+        children = self.children
+        for length in range(len(ends) - 1, 0, -1):
+            if children[ends[length]]:
+                return length, ends[length]
+        return 0, ROOT
 
     def match(self, text: list[int]) -> tuple[int, int]:
         """The longest suffix of `text` (at most depth - 1 tokens) that occurred followed
@@ -130,7 +159,11 @@ class SuffixTree:
         """Up to k tokens that likely follow `text`, and the tokens of them expected to be
         right (the sum of each run's estimated probability)."""
         tail = text[-(self.depth - 1) :]
-        length, node = self.match(tail)
+        return self.draft_at(tail, *self.match(tail), k)
+
+    def draft_at(self, tail: list[int], length: int, node: int, k: int) -> tuple[list[int], float]:
+        """`draft` where the match of `tail` (the text's last depth - 1 tokens, which grows
+        by the drafts) is known: `length` tokens, ending at `node`."""
         if length < MIN_MATCH:
             return [], 0.0
         counts = self.counts
@@ -161,6 +194,8 @@ class Own:
     tree: SuffixTree
     ends: list[int] = field(default_factory=lambda: [ROOT])
     read: int = 0  # tokens of req.input_ids added
+    theirs: list[int] = field(default_factory=lambda: [ROOT])  # the same in the shared tree
+    seen: int = -1  # the shared tree's version `theirs` was walked in
 
 
 class SuffixDrafter:
@@ -181,10 +216,20 @@ class SuffixDrafter:
                 drafts.append([])
                 continue
             own = self._read(req)  # its own tokens: pending ones may yet be rejected
-            tail = req.input_ids[-(self.depth - 1) :].tolist() + (pending[i] if pending else [])
-            tail = tail[-(self.depth - 1) :]
-            mine, theirs = own.tree.draft(tail, k), self.shared.draft(tail, k)
-            drafts.append(max(mine, theirs, key=lambda d: d[1])[0])
+            mine, theirs, more = own.ends, own.theirs, pending[i] if pending else []
+            if more:
+                mine, theirs = own.tree.follow(mine, more), self.shared.follow(theirs, more)
+            mine, theirs = own.tree.longest(mine), self.shared.longest(theirs)
+            if mine[0] < MIN_MATCH and theirs[0] < MIN_MATCH:
+                drafts.append([])  # most steps of a chat: no tree is asked to draft
+                continue
+            tail = (req.tokens_from(-(self.depth - 1)) + more)[-(self.depth - 1) :]
+            best = max(
+                own.tree.draft_at(tail[:], *mine, k),
+                self.shared.draft_at(tail, *theirs, k),
+                key=lambda d: d[1],
+            )
+            drafts.append(best[0])
         return drafts
 
     def retain(self, uids: set[int]) -> None:
@@ -199,7 +244,7 @@ class SuffixDrafter:
         if req.seq_len == req.prompt_len:
             return  # nothing generated
         start = max(0, req.prompt_len - (self.depth - 1))
-        tokens = req.input_ids[start:].tolist()[-self.capacity :]
+        tokens = req.tokens_from(start)[-self.capacity :]
         self._forget(req.uid)
         self.shared.extend([ROOT], tokens)
         self.outputs[req.uid] = tokens
@@ -215,12 +260,20 @@ class SuffixDrafter:
 
     def _read(self, req: Req) -> Own:
         """The request's tree, up to date with its tokens (a new one from its last
-        OWN_WINDOW tokens)."""
+        OWN_WINDOW tokens), and where its text's suffixes end in both trees. Those ends
+        move by a token a step, so a step's match takes no walk from the root; in the
+        shared tree they are walked again after it changed (a request finished)."""
         own = self.own.get(req.uid)
         if own is None:
             own = self.own[req.uid] = Own(req, SuffixTree(self.depth))
             own.read = max(0, req.seq_len - OWN_WINDOW)
-        if own.read < req.seq_len:
-            own.ends = own.tree.extend(own.ends, req.input_ids[own.read :].tolist())
+        new = req.tokens_from(own.read) if own.read < req.seq_len else []
+        if new:
+            own.ends = own.tree.extend(own.ends, new)
             own.read = req.seq_len
+        if own.seen != self.shared.version:
+            own.theirs = self.shared.follow([ROOT], req.tokens_from(-(self.depth - 1)))
+            own.seen = self.shared.version
+        elif new:
+            own.theirs = self.shared.follow(own.theirs, new)
         return own
