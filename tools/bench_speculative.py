@@ -372,6 +372,12 @@ def main() -> None:
         "--batches", default="1,8,32,64", help="batch sizes: 1 runs one request at a time"
     )
     p.add_argument("--pairs", type=int, default=3, help="timed off/on pairs after the warm-up")
+    p.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every answer runs to --max-tokens: in a batch, tok/s then does not follow where"
+        " bf16 outputs part and one side's answers end sooner",
+    )
     p.add_argument("--sets", default="tuning,heldout", help="tuning, heldout or both")
     p.add_argument(
         "--speculative-max-bs",
@@ -405,7 +411,7 @@ def main() -> None:
     if args.speculative_max_bs is not None:
         kw["speculative_max_bs"] = args.speculative_max_bs
     llm = LLM(**kw)
-    params = SamplingParams(max_tokens=max_tokens)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=args.ignore_eos)
     costs = parse_costs(args.costs) if args.costs else None
     results: dict[str, dict] = {}
     for name, (kind, chats) in loads.items():
