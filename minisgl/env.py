@@ -59,9 +59,6 @@ class _Env:
         # auto: where the start-up measurement saw it beat the matmul library; on, off: always,
         # never (for benchmarks)
         self.GEMV = EnvVar.read("GEMV", "auto", choices=("auto", "on", "off"))
-        # MiB of the next projection's weight each GEMV asks the L2 cache for as it starts
-        # (kernels/prefetch.py); 0: none, until a GPU has timed it on every shape
-        self.GEMV_PREFETCH_MB = EnvVar.read("GEMV_PREFETCH_MB", 0)
         # decode attention from qkv in one kernel (rotary, KV store, splits and their merge)
         self.FUSED_DECODE = EnvVar.read("FUSED_DECODE", True)
         # where measurements are kept between starts (engine/kernel_cache.py); empty: nowhere

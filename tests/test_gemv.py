@@ -105,12 +105,12 @@ def test_llm_with_the_gemv_kernel_gives_the_same_tokens(monkeypatch: pytest.Monk
     calls = {"plain": 0, "gated": 0, "normed": 0}
     head = {"rows": 0}  # the LM head's rows (the vocabulary) of the model being run
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, prefetch=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
         if weight.size(0) == head["rows"]:  # the LM head: left to the matmul library
             return F.linear(x, weight, bias)
         calls["gated" if gated else "plain"] += 1
         calls["normed"] += norm is not None
-        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm, prefetch=prefetch)
+        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
 
     prompts = [[5, 17, 300, 41, 8, 99, 23], [7, 7, 120]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)

@@ -115,12 +115,12 @@ def test_a_verify_of_eight_drafts_in_the_tensor_cores_keeps_the_tokens(
     vocab = ModelConfig.from_path(need(TINY["llama"])).vocab_size
     rows: list[tuple[int, bool, bool]] = []
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, prefetch=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
         if weight.size(0) == vocab:  # the LM head: left to the library (the interpreter is slow)
             return F.linear(x, weight, bias)
         if isinstance(blocks, MmaBlocks):
             rows.append((x.size(0), gated, norm is not None))
-        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm, prefetch=prefetch)
+        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
 
     def eight_drafts(self, reqs, ks, pending=None):  # right or wrong, always eight
         return [[(7 * i + 3) % 50 for i in range(8)] if k else [] for k in ks]

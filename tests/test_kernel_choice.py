@@ -52,9 +52,9 @@ def test_the_table_decides_and_the_tokens_stay_the_same(monkeypatch: pytest.Monk
 
     calls: list[tuple[int, bool, bool]] = []  # (out rows, gated, normed) of each GEMV call
 
-    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None, prefetch=None):
+    def counted(x, weight, bias=None, blocks=None, gated=False, norm=None):
         calls.append((weight.size(0), gated, norm is not None))
-        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm, prefetch=prefetch)
+        return gemv(x, weight, bias, blocks=blocks, gated=gated, norm=norm)
 
     monkeypatch.setattr(kernel_plan, "gemv_kernel", lambda fused: counted)  # on the CPU too
     monkeypatch.setattr(ENV.GEMV, "value", "auto")

@@ -92,11 +92,6 @@ SMOKE = {
         "| top_k_top_p | 3 |",
     ),
     "bench_builds.py": (["--variants", "2", "--threads", "2", "--rounds", "1"], "| 2 |"),
-    "bench_gemv.py": (
-        ["--device", "cpu", "--dtype", "float32", "--models", "tiny", "--rows", "1", "--reps"]
-        + ["1", "--chain", "0,1", "--chain-rounds", "1"],
-        "| tiny | chain, prefetch 1 MiB |",
-    ),
     "bench_gated_delta.py": (
         ["--device", "cpu", "--models", "tiny", "--decode", "2", "--prefill", "2x5"]
         + ["--rounds", "1", "--calls", "1"],

@@ -25,8 +25,6 @@ SIGNATURE = {
     **dict.fromkeys(["X", "W", "Y", "BIAS", "R", "R_OUT", "NW"], "*bf16"),
     "eps": "fp32",
     **dict.fromkeys(["M", "N", "K", "stride_xm", "stride_wn", "stride_ym"], "i32"),
-    "PF": "*bf16",
-    **dict.fromkeys(["pf_lines", "pf_per"], "i32"),
 }
 # (BLOCK_M, BLOCK_N, BLOCK_K, GATED, NORM): block shapes of the kind gemv_candidates proposes
 SHAPES = [(m, n, k, g, norm) for m in (1, 2, 4, 8) for n, k in ((8, 1024), (4, 512))
@@ -41,8 +39,7 @@ def build(variant: tuple[int, int, int, int, int], arch: int) -> None:
     from minisgl.kernels.gemv import _gemv_kernel
 
     m, n, k, gated, norm = variant
-    constants = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, HAS_BIAS=0, GATED=gated, NORM=norm,
-                     PREFETCH=0, PF_LINE_ELEMS=1, PF_CHUNK=1)  # fmt: skip
+    constants = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, HAS_BIAS=0, GATED=gated, NORM=norm)
     signature = {**SIGNATURE, **dict.fromkeys(constants, "constexpr")}
     source = ASTSource(_gemv_kernel, signature, constants)
     triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})

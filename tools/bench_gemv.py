@@ -3,7 +3,6 @@
     python tools/bench_gemv.py                      # Qwen3-0.6B's projections at 1, 2, 4 rows
     python tools/bench_gemv.py --models qwen3-0.6b,qwen3-8b,qwen3-14b,qwen3-30b-a3b --rows 1,2,4,8
     python tools/bench_gemv.py --models qwen3-8b --sweep   # every block shape, best per layer
-    python tools/bench_gemv.py --models qwen3-0.6b,llama-3.2-1b --chain 0,16,48  # prefetch
     python tools/bench_gemv.py --device cpu --models tiny --rows 1 --reps 1  # smoke test
 
 Each projection of a model (qkv, o, gate_up with SiLU-and-mul after it, down, the MoE
@@ -14,13 +13,6 @@ L2 cache many times, as a model's layers do. "chosen" is what the engine would r
 GEMV where it takes at most 95% of the library's time); "step" adds a shape up over a model's
 layers: the projections of one decode step, by the library alone and by the choice. GB/s is
 the weight bytes over the time; the H200 reads about 4.8 TB/s.
-
---chain MB,...: then a decode step's projections back to back, as a step runs them (every
-layer's qkv, o, gate_up and down, each layer's own weights, then the LM head; each in what
-the table chose), replayed from one CUDA graph with each GEMV asking the L2 cache for that
-many MiB of the next projection's weights (kernels/prefetch.py; the first figure is the
-baseline, 0 for none), the settings alternated over --chain-rounds: what the prefetch does
-to the projections alone, without attention between them.
 """
 
 from __future__ import annotations
@@ -125,47 +117,6 @@ def sweep(key: GemvKey, weights: list[torch.Tensor], m: int, time_it) -> dict[tu
     return {b: time_it(str(b), lambda b=b: run(b)) / len(weights) * 1e6 for b in blocks_tried}
 
 
-def chain(spec: dict, m: int, blocks: dict, mbs: list[int], rounds: int, time_it,
-          dtype: torch.dtype, device: torch.device) -> dict[int, list[float]]:  # fmt: skip
-    """ms of a decode step's projections at `m` rows back to back (`--chain`), for each MiB
-    of prefetch in `mbs`, `rounds` times in turn: MiB -> the rounds' times."""
-    import torch.nn.functional as F
-
-    from minisgl.kernels.gemv import gemv
-    from minisgl.kernels.prefetch import Prefetch
-    from minisgl.layers.activation import silu_and_mul
-
-    named = projections(spec, normed=True)
-    layers = [name for name in named if name != "lm_head"]
-    order = [(name, i) for i in range(spec["num_hidden_layers"]) for name in layers]
-    order.append(("lm_head", 0))
-    weights = [torch.randn(named[name][0].n * (1 + named[name][0].gated), named[name][0].k,
-                           device=device, dtype=dtype) * 0.02 for name, _ in order]  # fmt: skip
-    xs = {k: torch.randn(m, k, device=device, dtype=dtype) for k in {named[n][0].k for n in named}}
-    norms = {k: (torch.randn_like(x), torch.empty_like(x), torch.ones_like(x[0]), 1e-6)
-             for k, x in xs.items()}  # fmt: skip
-    nexts = weights[1:] + weights[:1]
-
-    def step(mb: int) -> None:
-        for (name, _), w, nxt in zip(order, weights, nexts):
-            key, x = named[name][0], xs[named[name][0].k]
-            launch = blocks.get((name, m))
-            if launch is None:  # the library won here: no GEMV, no prefetch
-                y = F.linear(x, w)
-                if key.gated:
-                    silu_and_mul(y)
-                continue
-            norm = norms[key.k] if key.normed else None
-            ahead = Prefetch(nxt, mb << 20) if mb else None
-            gemv(x, w, blocks=launch, gated=key.gated, norm=norm, prefetch=ahead)
-
-    times: dict[int, list[float]] = {mb: [] for mb in mbs}
-    for _ in range(rounds):
-        for mb in mbs:
-            times[mb].append(time_it(f"chain {mb}", lambda mb=mb: step(mb)) * 1e3)
-    return times
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     add_device_args(p)
@@ -176,8 +127,6 @@ def main() -> None:
     p.add_argument("--min-bytes", type=float, default=512e6, help="weights per shape at least")
     p.add_argument("--normed", action="store_true", help="qkv and gate_up with their norm folded")
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--chain", help="MiB of the next weights each GEMV prefetches, e.g. 0,16")
-    p.add_argument("--chain-rounds", type=int, default=3)
     p.add_argument("--output-json")
     args = parse(p)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -195,7 +144,6 @@ def main() -> None:
     for model in args.models.split(","):
         step: dict[int, list[float]] = {m: [0.0, 0.0] for m in rows_list}  # library, chosen
         nbytes = 0
-        chosen_blocks: dict[tuple[str, int], tuple | None] = {}  # what --chain runs
         for layer, (key, count) in projections(MODELS[model], args.normed).items():
             weights = weights_for(key, dtype, device, args.min_bytes)
             norm_weight = torch.ones(key.k, device=device, dtype=dtype) if key.normed else None
@@ -206,7 +154,6 @@ def main() -> None:
                 runs = candidates(call, weights, m, kernels)
                 us = {c: time_it(c, run) / len(weights) * 1e6 for c, (_, run) in runs.items()}
                 chosen = pick(us)
-                chosen_blocks[layer, m] = runs[chosen][0]
                 step[m][0] += us["library"] * count
                 step[m][1] += us[chosen] * count
                 gemvs = ", ".join(f"{c[5:]} {t:.1f}" for c, t in us.items() if c != "library")
@@ -239,20 +186,6 @@ def main() -> None:
                 flush=True,
             )
             results[f"{model} step m={m}"] = {"library_ms": lib / 1e3, "chosen_ms": ours / 1e3}
-        if args.chain:
-            mbs = [int(mb) for mb in args.chain.split(",")]
-            for m in rows_list:
-                ms = chain(MODELS[model], m, chosen_blocks, mbs, args.chain_rounds, time_it,
-                           dtype, device)  # fmt: skip
-                for mb in mbs:
-                    print(
-                        f"| {model} | chain, prefetch {mb} MiB | {nbytes / 1e9:.2f} GB | {m} "
-                        f"| | {', '.join(f'{t:.3f}' for t in ms[mb])} ms "
-                        f"| {min(ms[mb]):.3f} ms ({nbytes / min(ms[mb]) / 1e6:.0f}) "
-                        f"| {min(ms[mbs[0]]) / min(ms[mb]):.2f}x |",
-                        flush=True,
-                    )
-                results[f"{model} chain m={m}"] = {str(mb): ms[mb] for mb in mbs}
         if device.type == "cuda":
             torch.cuda.empty_cache()
     if args.output_json:

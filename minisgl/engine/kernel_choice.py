@@ -156,7 +156,6 @@ def choose_gemv(
                 table.blocks[km] = job.runs[label][0]
         lines.append(f"  {job.what}: {_show(times)} -> {label}")
     gemv.feeds = {id(c.norm_weight): c.key for c in calls if c.norm_weight is not None}
-    gemv.follow(calls)  # which weight comes next: what each GEMV may prefetch
     table.report = "\n".join(lines)
     gemv.table = table
     kernels.install(engine.model)

@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from minisgl.kernels.gemv_mma import MMA_ROWS, MmaBlocks, mma_candidates, mma_gemv  # [ch26]
-from minisgl.kernels.prefetch import Prefetch, prefetch_args, prefetch_l2
 
 MAX_ROWS = 8  # rows of x (tokens) this kernel takes; beyond it the matmul library wins
 # >>> ch26 the CUDA cores take up to FMA_ROWS rows; the tensor cores up to MMA_ROWS
@@ -38,19 +37,13 @@ ACC_PER_THREAD = 64  # fp32 partial sums a thread keeps: more spill out of its r
 @triton.jit
 def _gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
-    PF, pf_lines, pf_per, PF_LINE_ELEMS: tl.constexpr, PF_CHUNK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_BIAS: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     # GATED: W is [gate; up] (2N rows) and y = silu(x @ gate.T) * (x @ up.T), [M, N].
     # NORM: the input is RMSNorm(x + r) with weight NW; program 0 also writes x + r to R_OUT.
     # The norm's scale is one number per row of x, so it is taken out of the sum: one pass
     # adds up (x + r) * NW * W and the squares of x + r, and the scale multiplies at the end.
-    # PREFETCH: first this program's share of the next projection's weights, PF, asked of
-    # the L2 cache (kernels/prefetch.py), and W read evict-first.
-    if PREFETCH:
-        prefetch_l2(PF, pf_lines, pf_per, PF_LINE_ELEMS, PF_CHUNK)
-    evict: tl.constexpr = "evict_first" if PREFETCH else ""
     pid = tl.program_id(0)
     rm = tl.arange(0, BLOCK_M)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -66,10 +59,9 @@ def _gemv_kernel(
     for k in range(0, K, BLOCK_K):
         k_mask = rk < K - k
         x_mask = m_mask[:, None] & k_mask[None, :]
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0, eviction_policy=evict)
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         if GATED:
-            u = tl.load(up_ptrs, mask=w_mask, other=0.0, eviction_policy=evict)
+            u = tl.load(up_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(X + x_offs, mask=x_mask, other=0.0)
         if NORM:  # x + r, rounded to the model dtype as the unfused add is
             x = x.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
@@ -162,7 +154,6 @@ def gemv(
     blocks: Blocks | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     """x [m, k] (m <= MAX_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n], x's dtype.
 
@@ -170,15 +161,13 @@ def gemv(
     (a merged gate_up projection and the SiLU-and-mul after it, in one kernel).
     norm = (residual, residual_out, norm_weight, eps): the input is RMSNorm(x + residual)
     instead of x (the residual add and the norm before a projection, in the same kernel),
-    and x + residual is written to residual_out, a tensor of x's shape apart from both.
-    prefetch: the next projection's weight and how many of its bytes to ask the L2 cache
-    for, as the kernel starts (kernels/prefetch.py)."""
+    and x + residual is written to residual_out, a tensor of x's shape apart from both."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
     # >>> ch26 the tensor cores' launches (MmaBlocks) go to their own kernel
     blocks = blocks or gemv_blocks(m, n, k, gated)
     if isinstance(blocks, MmaBlocks):
-        return mma_gemv(x, weight, blocks, bias, gated, norm, prefetch)
+        return mma_gemv(x, weight, blocks, bias, gated, norm)
     # <<< ch26
     assert m <= MAX_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
     assert not (gated and bias is not None)
@@ -190,11 +179,9 @@ def gemv(
         )
     block_m, block_n, block_k, warps = blocks or gemv_blocks(m, n, k, gated)
     assert block_m >= m
-    programs = triton.cdiv(n, block_n)
-    _gemv_kernel[(programs,)](
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        **prefetch_args(prefetch, programs, weight),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm is not None, num_warps=warps,
     )  # fmt: skip

@@ -24,8 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from minisgl.kernels.prefetch import Prefetch, prefetch_args, prefetch_l2
-
 MMA_ROWS = 16  # rows of x this kernel takes: the narrow side of the tensor cores' product
 
 
@@ -43,16 +41,11 @@ class MmaBlocks(NamedTuple):
 @triton.jit(do_not_specialize=["M"])  # one build serves every row count
 def _mma_gemv_kernel(
     X, W, Y, BIAS, R, R_OUT, NW, eps, M, N, K, stride_xm, stride_wn, stride_ym,
-    PF, pf_lines, pf_per, PF_LINE_ELEMS: tl.constexpr, PF_CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    NORM: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     # y^T [BLOCK_N, 16] = W [BLOCK_N, K] @ x^T [K, 16]. Rows of W past N are read as row 0
     # (never stored), so only K's tail, where K % BLOCK_K != 0, masks the loads of W.
-    # PREFETCH: as in the GEMV (kernels/prefetch.py).
-    if PREFETCH:
-        prefetch_l2(PF, pf_lines, pf_per, PF_LINE_ELEMS, PF_CHUNK)
-    evict: tl.constexpr = "evict_first" if PREFETCH else ""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, 16)
@@ -68,11 +61,11 @@ def _mma_gemv_kernel(
     for k in range(0, K, BLOCK_K):
         if EVEN_K:
             x_mask = m_mask[None, :]
-            w = tl.load(w_ptrs, eviction_policy=evict)
+            w = tl.load(w_ptrs)
         else:
             k_mask = rk < K - k
             x_mask = m_mask[None, :] & k_mask[:, None]
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=evict)
+            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
         xt = tl.load(X + x_offs, mask=x_mask, other=0.0)
         if NORM:  # x + r, rounded to the model dtype as the unfused add is
             xt = xt.to(tl.float32) + tl.load(R + x_offs, mask=x_mask, other=0.0).to(tl.float32)
@@ -86,9 +79,9 @@ def _mma_gemv_kernel(
         acc = tl.dot(w, xt, acc, input_precision=PRECISION)
         if GATED:
             if EVEN_K:  # noqa: SIM108 - a constexpr branch
-                u = tl.load(up_ptrs, eviction_policy=evict)
+                u = tl.load(up_ptrs)
             else:
-                u = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0, eviction_policy=evict)
+                u = tl.load(up_ptrs, mask=k_mask[None, :], other=0.0)
             acc_up = tl.dot(u, xt, acc_up, input_precision=PRECISION)
             up_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -129,10 +122,9 @@ def mma_gemv(
     bias: torch.Tensor | None = None,
     gated: bool = False,
     norm: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float] | None = None,
-    prefetch: Prefetch | None = None,
 ) -> torch.Tensor:
     """x [m, k] (m <= MMA_ROWS) @ weight [n, k].T (+ bias [n]) -> [m, n] on the tensor
-    cores; gated, norm and prefetch as kernels.gemv.gemv, whose arguments these are."""
+    cores; gated and norm as kernels.gemv.gemv, whose arguments these are."""
     m, k = x.shape
     n = weight.size(0) // 2 if gated else weight.size(0)
     assert m <= MMA_ROWS and weight.size(1) == k and weight.stride(1) == 1 and x.stride(1) == 1
@@ -143,11 +135,9 @@ def mma_gemv(
         assert (
             residual.shape == x.shape and residual.stride() == residual_out.stride() == x.stride()
         )
-    programs = triton.cdiv(n, blocks.block_n)
-    _mma_gemv_kernel[(programs,)](
+    _mma_gemv_kernel[(triton.cdiv(n, blocks.block_n),)](
         x, weight, y, bias if bias is not None else weight, residual, residual_out, norm_weight,
         eps, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        **prefetch_args(prefetch, programs, weight),
         BLOCK_N=blocks.block_n, BLOCK_K=blocks.block_k, HAS_BIAS=bias is not None,
         GATED=gated, NORM=norm is not None, EVEN_K=k % blocks.block_k == 0,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

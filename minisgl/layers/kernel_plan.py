@@ -62,9 +62,6 @@ class KernelPlan:
         gemv = None
         if (kernel := gemv_kernel(fused)) and ENV.GEMV.value != "off":
             gemv = GemvPlan(kernel, ENV.GEMV.value, ENV.GEMV_MAX_ROWS.value)
-            if ENV.GEMV_PREFETCH_MB.value < 0:
-                raise ValueError(f"MINISGL_GEMV_PREFETCH_MB={ENV.GEMV_PREFETCH_MB.value} < 0")
-            gemv.prefetch_bytes = ENV.GEMV_PREFETCH_MB.value << 20
         decode = getattr(backend, "decode_from_qkv", None) if ENV.FUSED_DECODE.value else None
         # <<< ch20
         return cls(

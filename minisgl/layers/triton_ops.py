@@ -31,7 +31,6 @@ from minisgl.env import ENV
 from minisgl.kvcache.window_pages import store_slots  # [ch29]
 
 if TYPE_CHECKING:
-    from minisgl.kernels.prefetch import Prefetch
     from minisgl.layers.attention import AttentionLayer
     from minisgl.layers.linear import Linear
     from minisgl.layers.norm import RMSNorm
@@ -183,27 +182,6 @@ class GemvPlan:
     table: GemvTable | None = None  # measured at start-up; None: not yet, the library
     feeds: dict[int, GemvKey] = field(default_factory=dict)  # id(norm weight) -> its projection
     recording: list[ProjectionCall] | None = None  # the start-up forward: record, run the library
-    # MINISGL_GEMV_PREFETCH_MB: how much of the next projection's weight a GEMV asks the L2
-    # cache for as it starts (kernels/prefetch.py), 0 none; and which weight comes next
-    prefetch_bytes: int = 0
-    after: dict[int, torch.Tensor] = field(default_factory=dict)  # id(weight) -> the next one
-
-    def follow(self, calls: list[ProjectionCall]) -> None:
-        """Learn the order of a forward's projections, round (the last one's next is the
-        first, the next step's): each weight's next is the one after its first call."""
-        self.after = {}
-        for call, nxt in zip(calls, calls[1:] + calls[:1]):
-            self.after.setdefault(id(call.weight), nxt.weight)
-
-    def prefetch(self, weight: torch.Tensor) -> Prefetch | None:
-        """What the GEMV of `weight` asks the L2 cache for: None where prefetching is off or
-        the order is not known yet."""
-        nxt = self.after.get(id(weight)) if self.prefetch_bytes > 0 else None
-        if nxt is None:
-            return None
-        from minisgl.kernels.prefetch import Prefetch  # imports triton, as `kernel` did
-
-        return Prefetch(nxt, min(self.prefetch_bytes, nxt.nbytes))
 
     def blocks(self, key: GemvKey) -> tuple[Blocks | None, ...]:
         """The blocks to run a projection of `key` in at 0, 1, ... max_rows rows (None: the
@@ -240,7 +218,6 @@ class GemvPlan:
             return
         layer.gemv_blocks = self.blocks(GemvKey.of(layer, gated))
         layer.gemv_blocks_normed = self.blocks(GemvKey.of(layer, gated, normed=True))
-        layer.gemv_prefetch = self.prefetch(layer.weight)
         layer.matmul = MethodType(gemv_matmul(self, gated, library), layer)
 
 
@@ -300,13 +277,11 @@ def gemv_matmul(plan: GemvPlan, gated: bool, library: Callable) -> Callable:
             if blocks is None:
                 return library(self, x.compute())
             norm = (x.residual, x.residual_out, x.weight, x.eps)
-            return kernel(
-                x.x, self.weight, self.bias, blocks, gated, norm, prefetch=self.gemv_prefetch
-            )
+            return kernel(x.x, self.weight, self.bias, blocks=blocks, gated=gated, norm=norm)
         rows = x.size(0)
         if x.dim() == 2 and rows <= max_rows and x.stride(1) == 1 and self.gemv_blocks[rows]:
             blocks = self.gemv_blocks[rows]
-            return kernel(x, self.weight, self.bias, blocks, gated, prefetch=self.gemv_prefetch)
+            return kernel(x, self.weight, self.bias, blocks=blocks, gated=gated)
         return library(self, x)
 
     return matmul

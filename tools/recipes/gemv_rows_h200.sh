@@ -10,11 +10,9 @@
 #     VARIANTS="extend:VERIFY_ATTN=extend;split:VERIFY_ATTN=split" SHAPES="smollm2-135m qwen3-0.6b" \
 #     BATCHES=1,2,4,8,16 STARTS=0 bash tools/recipes/gemv_rows_h200.sh   # any knobs, A/B
 #
-# 0. KERNELS (models of tools/bench_gemv.py, none by default): each projection at
-#    KERNEL_ROWS (2,4,8,16) rows, every candidate of the start-up measurement (under the
-#    first variant's settings) timed beside the library, and the sums of one decode step's
-#    projections; with CHAIN (MiB, "0,16"), those projections back to back with each GEMV
-#    prefetching that much of the next one's weights (bench_gemv.py --chain).
+# 0. KERNELS (models of tools/bench_gemv.py, none by default): each projection at 2-16 rows,
+#    every candidate of the start-up measurement (under the first variant's settings) timed
+#    beside the library, and the sums of one decode step's projections.
 # 1. For each shape of SHAPES (random weights, made on the GPU when missing): decode steps at
 #    BATCHES, the VARIANTS in alternating rounds (tools/bench_latency.py --variants), each
 #    engine measuring its own choice at its start.
@@ -35,8 +33,6 @@ BATCHES=${BATCHES:-1,2,4,8,16,64,256}
 ROUNDS=${ROUNDS:-2}
 VARIANTS=${VARIANTS:-r1:GEMV_MAX_ROWS=1;r16:GEMV_MAX_ROWS=16}
 KERNELS=${KERNELS:-}
-KERNEL_ROWS=${KERNEL_ROWS:-2,4,8,16}
-CHAIN=${CHAIN:-}
 VERIFY=${VERIFY:-}
 VERIFY_LENS=${VERIFY_LENS:-128}
 VERIFY_KS=${VERIFY_KS:-4,8}
@@ -57,9 +53,9 @@ git log -1 --format='commit %h %s' 2>/dev/null | log
 nvidia-smi -L 2>/dev/null | log
 IFS=';' read -ra variants <<< "$VARIANTS"
 if [ -n "$KERNELS" ]; then
-  echo "== each projection's candidates at $KERNEL_ROWS rows: $KERNELS ($SECONDS s)" | log
+  echo "== each projection's candidates at 2-16 rows: $KERNELS ($SECONDS s)" | log
   env $(settings "${variants[0]}") timeout "$BENCH_TIMEOUT" python3 tools/bench_gemv.py \
-      --models "$KERNELS" --rows "$KERNEL_ROWS" --normed ${CHAIN:+--chain "$CHAIN"} \
+      --models "$KERNELS" --rows 2,4,8,16 --normed \
       --reps 5 --output-json "$OUT/gemv.json" 2>&1 | grep -vE "^$|Warning" | log
 fi
 for shape in $SHAPES; do
