@@ -17,6 +17,7 @@ every rank times its steps by rank 0's clock, sent with the messages.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import math
@@ -507,6 +508,52 @@ def test_the_speculation_tool_models_a_gpus_decisions_on_the_cpu(tmp_path) -> No
         assert row["speedup"] == pytest.approx(row["off_ms"] / row["on_ms"])
         assert on_steps <= off_steps == 7  # 8 tokens: a prefill and 7 decode steps
         assert 0 < row["speedup_with_host"] <= row["speedup"]
+
+
+def test_the_speculation_tool_names_each_plain_step_for_what_it_did(monkeypatch) -> None:
+    """tools/bench_speculative.py's step trace: a plain decode step is a refill for REFILL
+    steps after a verify or a drain, then declined (drafts given, none verified), nothing
+    drafted (asked, none given) or plain (not asked); the drafter is given back after."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    tools = Path(__file__).resolve().parent.parent / "tools"
+    if not (tools / "bench_speculative.py").exists():  # a chapter's tree, without the tool
+        pytest.skip("tools/bench_speculative.py is not in this tree")
+    monkeypatch.syspath_prepend(str(tools))
+    from bench_speculative import StepTrace
+
+    empty = [False]  # whether the drafter finds nothing
+    original = lambda reqs, ks: [[] if empty[0] else [7] * k for k in ks]  # noqa: E731
+    drafter = SimpleNamespace(propose=original)
+    spec = SimpleNamespace(drafter=drafter, num_forwards=0, num_drained=0)
+    plan: list[str] = []  # what each coming step does
+    decode = SimpleNamespace(is_decode=True)
+
+    def step() -> list:
+        sched._schedule()
+        what = plan.pop(0)
+        if what in ("asked", "declined"):  # two requests, drafts asked of the first
+            empty[0] = what == "asked"
+            spec.drafter.propose([None, None], [2, 0])
+        spec.num_forwards += what == "verify"
+        spec.num_drained += what == "drained"
+        return []
+
+    sched = SimpleNamespace(spec=spec, step=step, _schedule=lambda: decode)
+    trace = StepTrace(SimpleNamespace(scheduler=sched))
+    plan += ["plain", "declined", "verify", *["plain"] * cost_module.REFILL, "asked"]
+    plan += ["drained", "declined", "declined", "plain"]
+    for _ in range(len(plan)):
+        sched.step()
+    refill = ["decode, refill"] * cost_module.REFILL
+    assert [kind for kind, _ in trace] == [
+        "decode", "decode, declined", "verify", *refill, "decode, nothing drafted",
+        "drained", *refill, "decode",
+    ]  # fmt: skip
+    trace.stop()
+    assert sched.step is step and drafter.propose is original
+    assert trace._collecting not in gc.callbacks
 
 
 def test_under_tensor_parallelism_every_rank_times_its_steps_by_rank_0s_clock(monkeypatch):

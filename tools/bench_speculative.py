@@ -141,13 +141,29 @@ class StepTrace(list):
     """The scheduler's steps as they run, each as (kind, seconds): prefill, decode, verify,
     drained (a decode step after draining the pipeline for drafts), idle; and the garbage
     collector's passes meanwhile (gc0, gc1, gc2, within the steps' time). With overlap a
-    step's seconds are its own host work and the wait for the step before it."""
+    step's seconds are its own host work and the wait for the step before it.
+
+    With speculation on, a plain decode step is named for what it did: "decode, refill"
+    (one of the REFILL steps after a verify or a drain, which refill the pipeline),
+    "decode, declined" (the drafter gave drafts and no verify ran), "decode, nothing drafted"
+    (it was asked and gave none) or "decode" (it was not asked)."""
 
     def __init__(self, llm: object) -> None:
+        from minisgl.speculative.cost import REFILL
+
         super().__init__()
         sched: Any = llm.scheduler  # type: ignore[attr-defined]
         self.sched, self.step, self.schedule = sched, sched.step, sched._schedule
         spec, last = sched.spec, [None]
+        drafter, asked = spec.drafter, [0, 0]  # this step: requests asked, drafts given
+        self.drafter, self.propose = drafter, drafter.propose
+        since = [REFILL]  # plain steps since the last verify or drain
+
+        def propose(reqs, ks, *more) -> list:
+            drafts = self.propose(reqs, ks, *more)
+            asked[0] += sum(k > 0 for k in ks)
+            asked[1] += sum(len(d) > 0 for d in drafts)
+            return drafts
 
         def schedule() -> object:
             last[0] = self.schedule()
@@ -155,7 +171,7 @@ class StepTrace(list):
 
         def step() -> list:
             forwards, drained, began = spec.num_forwards, spec.num_drained, time.perf_counter()
-            last[0] = None
+            last[0], asked[:] = None, [0, 0]
             out = self.step()
             batch: Any = last[0]
             kind = (
@@ -163,12 +179,18 @@ class StepTrace(list):
                 else "prefill" if not batch.is_decode
                 else "verify" if spec.num_forwards > forwards
                 else "drained" if spec.num_drained > drained
+                else "decode, refill" if since[0] < REFILL
+                else "decode, declined" if asked[1]
+                else "decode, nothing drafted" if asked[0]
                 else "decode"
             )  # fmt: skip
+            if batch is not None and batch.is_decode:
+                since[0] = 0 if kind in ("verify", "drained") else since[0] + 1
             self.append((kind, time.perf_counter() - began))
             return out
 
         sched._schedule, sched.step = schedule, step
+        drafter.propose = propose
         self.collected: list[tuple[int, float]] = []  # the garbage collector's passes meanwhile
         gc.callbacks.append(self._collecting)
 
@@ -184,6 +206,7 @@ class StepTrace(list):
 
     def stop(self) -> None:
         self.sched.step, self.sched._schedule = self.step, self.schedule
+        self.drafter.propose = self.propose
         gc.callbacks.remove(self._collecting)
 
 
