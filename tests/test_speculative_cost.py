@@ -512,8 +512,9 @@ def test_the_speculation_tool_models_a_gpus_decisions_on_the_cpu(tmp_path) -> No
 
 def test_the_speculation_tool_names_each_plain_step_for_what_it_did(monkeypatch) -> None:
     """tools/bench_speculative.py's step trace: a plain decode step is a refill for REFILL
-    steps after a verify or a drain, then declined (drafts given, none verified), nothing
-    drafted (asked, none given) or plain (not asked); the drafter is given back after."""
+    steps after a verify or a drain (within a run), then declined (drafts given, none
+    verified), nothing drafted (asked, none given) or plain (not asked); the speculator's
+    `_propose` is given back after."""
     from pathlib import Path
     from types import SimpleNamespace
 
@@ -524,9 +525,11 @@ def test_the_speculation_tool_names_each_plain_step_for_what_it_did(monkeypatch)
     from bench_speculative import StepTrace
 
     empty = [False]  # whether the drafter finds nothing
-    original = lambda reqs, ks: [[] if empty[0] else [7] * k for k in ks]  # noqa: E731
-    drafter = SimpleNamespace(propose=original)
-    spec = SimpleNamespace(drafter=drafter, num_forwards=0, num_drained=0)
+
+    def original(reqs, ks, pending=None, lead=None):  # the speculator's `_propose`
+        return [[] if empty[0] else [7] * k for k in ks], [None] * len(ks)
+
+    spec = SimpleNamespace(_propose=original, num_forwards=0, num_drained=0)
     plan: list[str] = []  # what each coming step does
     decode = SimpleNamespace(is_decode=True)
 
@@ -535,7 +538,7 @@ def test_the_speculation_tool_names_each_plain_step_for_what_it_did(monkeypatch)
         what = plan.pop(0)
         if what in ("asked", "declined"):  # two requests, drafts asked of the first
             empty[0] = what == "asked"
-            spec.drafter.propose([None, None], [2, 0])
+            spec._propose([None, None], [2, 0], None, None)
         spec.num_forwards += what == "verify"
         spec.num_drained += what == "drained"
         return []
@@ -551,8 +554,13 @@ def test_the_speculation_tool_names_each_plain_step_for_what_it_did(monkeypatch)
         "decode", "decode, declined", "verify", *refill, "decode, nothing drafted",
         "drained", *refill, "decode",
     ]  # fmt: skip
+    plan += ["verify", "plain"]
+    sched.step()
+    trace.clear()  # a new run: no verify behind it, so no refill
+    sched.step()
+    assert [kind for kind, _ in trace] == ["decode"]
     trace.stop()
-    assert sched.step is step and drafter.propose is original
+    assert sched.step is step and spec._propose is original
     assert trace._collecting not in gc.callbacks
 
 

@@ -155,15 +155,17 @@ class StepTrace(list):
         sched: Any = llm.scheduler  # type: ignore[attr-defined]
         self.sched, self.step, self.schedule = sched, sched.step, sched._schedule
         spec, last = sched.spec, [None]
-        drafter, asked = spec.drafter, [0, 0]  # this step: requests asked, drafts given
-        self.drafter, self.propose = drafter, drafter.propose
-        since = [REFILL]  # plain steps since the last verify or drain
+        asked = [0, 0]  # this step: requests asked for drafts, drafts given
+        self.spec, self.propose = spec, spec._propose  # (the drafter may be replaced)
+        self.own = "_propose" in vars(spec)  # else the class's method, given back by deleting
+        self.refill = REFILL
+        self.since = since = [REFILL]  # plain steps since the last verify or drain
 
-        def propose(reqs, ks, *more) -> list:
-            drafts = self.propose(reqs, ks, *more)
+        def propose(reqs, ks, *more) -> tuple:
+            drafts, leads = self.propose(reqs, ks, *more)
             asked[0] += sum(k > 0 for k in ks)
             asked[1] += sum(len(d) > 0 for d in drafts)
-            return drafts
+            return drafts, leads
 
         def schedule() -> object:
             last[0] = self.schedule()
@@ -190,7 +192,7 @@ class StepTrace(list):
             return out
 
         sched._schedule, sched.step = schedule, step
-        drafter.propose = propose
+        spec._propose = propose
         self.collected: list[tuple[int, float]] = []  # the garbage collector's passes meanwhile
         gc.callbacks.append(self._collecting)
 
@@ -203,10 +205,14 @@ class StepTrace(list):
     def clear(self) -> None:
         super().clear()
         self.collected.clear()
+        self.since[0] = self.refill  # a run starts with no verify behind it
 
     def stop(self) -> None:
         self.sched.step, self.sched._schedule = self.step, self.schedule
-        self.drafter.propose = self.propose
+        if self.own:
+            self.spec._propose = self.propose
+        else:
+            del self.spec._propose
         gc.callbacks.remove(self._collecting)
 
 
